@@ -1,0 +1,1 @@
+"""Triton kernels for the INT2 KV cache, each beside a plain-torch reference."""

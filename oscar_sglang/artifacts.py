@@ -1,0 +1,279 @@
+"""Rotation artifacts: the directory ``oscar-calibrate`` writes and the server loads.
+
+Layout (DESIGN.md invariant 6)::
+
+    DIR/manifest.json          format name and version, model fingerprint, method,
+                               defaults (sink, recent, group size), calibration summary
+    DIR/rotations.safetensors  per layer i, float32:
+                                 layers.{i}.k_rotation [kv_heads, d, d]
+                                 layers.{i}.v_rotation [kv_heads, d, d]
+                                 layers.{i}.k_mean     [kv_heads, d]
+                                 layers.{i}.k_clip     [kv_heads]   clip ratio in (0, 1]
+                                 layers.{i}.v_clip     [kv_heads]
+
+:func:`load` validates everything (files, version, fingerprint against the
+served model, shapes, finiteness, orthogonality) and raises
+:class:`ArtifactError` with one sentence naming the file and the mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from . import rotation as rot
+from .format import check_shape
+
+FORMAT_NAME = "oscar-sglang-rotations"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+TENSORS = "rotations.safetensors"
+ORTHOGONALITY_TOL = 1e-4
+DEFAULT_SINK = 64
+DEFAULT_RECENT = 256
+
+
+class ArtifactError(ValueError):
+    """A rotations directory that cannot be served; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """What a rotation artifact must agree with in the served model."""
+
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rope_type: str
+    rope_theta: float
+
+    @classmethod
+    def from_config(cls, config) -> "ModelFingerprint":
+        """Build from a transformers ``PretrainedConfig`` (or anything with the same attributes)."""
+        text = getattr(config, "text_config", None) or config
+        heads = int(text.num_attention_heads)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        archs = getattr(config, "architectures", None) or [getattr(config, "model_type", "unknown")]
+        rope = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+        theta = rope.get("rope_theta", getattr(text, "rope_theta", None))
+        return cls(
+            architecture=str(archs[0]),
+            num_layers=int(text.num_hidden_layers),
+            hidden_size=int(text.hidden_size),
+            num_attention_heads=heads,
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            vocab_size=int(text.vocab_size),
+            rope_type=str(rope.get("rope_type", rope.get("type", "default"))),
+            rope_theta=float(theta) if theta is not None else float("nan"),
+        )
+
+    def mismatches(self, other: "ModelFingerprint") -> list[str]:
+        out = []
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            same = (math.isclose(a, b, rel_tol=1e-9) or (math.isnan(a) and math.isnan(b))) if isinstance(a, float) else a == b
+            if not same:
+                out.append(f"{f.name} {a!r} in the artifact vs {b!r} in the model")
+        return out
+
+
+@dataclass
+class LayerRotation:
+    """One layer's rotations, key means and clip ratios (float32, on CPU unless moved)."""
+
+    k_rotation: torch.Tensor
+    v_rotation: torch.Tensor
+    k_mean: torch.Tensor
+    k_clip: torch.Tensor
+    v_clip: torch.Tensor
+
+    TENSOR_NAMES = ("k_rotation", "v_rotation", "k_mean", "k_clip", "v_clip")
+
+    def expected_shapes(self, kv_heads: int, d: int) -> dict[str, tuple[int, ...]]:
+        return {
+            "k_rotation": (kv_heads, d, d),
+            "v_rotation": (kv_heads, d, d),
+            "k_mean": (kv_heads, d),
+            "k_clip": (kv_heads,),
+            "v_clip": (kv_heads,),
+        }
+
+    def to(self, device=None, dtype=torch.float32) -> "LayerRotation":
+        return LayerRotation(*(getattr(self, n).to(device=device, dtype=dtype) for n in self.TENSOR_NAMES))
+
+
+@dataclass
+class RotationArtifacts:
+    model: ModelFingerprint
+    method: str
+    layers: list[LayerRotation]
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
+    group_size: int | None = None  # None: one group per row (G = head_dim)
+    calibration: dict = field(default_factory=dict)
+
+    @property
+    def group(self) -> int:
+        return self.group_size or self.model.head_dim
+
+    def validate(self, where: str = "rotation artifacts") -> None:
+        """Raise :class:`ArtifactError` unless every tensor and default is servable."""
+        fp = self.model
+        if len(self.layers) != fp.num_layers:
+            raise ArtifactError(f"{where}: has {len(self.layers)} layers but the model fingerprint says {fp.num_layers}")
+        try:
+            check_shape(fp.head_dim, self.group)
+        except ValueError as e:
+            raise ArtifactError(f"{where}: {e}") from None
+        if self.sink < 0 or self.recent < 0:
+            raise ArtifactError(f"{where}: sink ({self.sink}) and recent ({self.recent}) windows must be >= 0")
+        for i, layer in enumerate(self.layers):
+            for name, shape in layer.expected_shapes(fp.num_kv_heads, fp.head_dim).items():
+                t = getattr(layer, name)
+                key = f"layers.{i}.{name}"
+                if tuple(t.shape) != shape:
+                    raise ArtifactError(f"{where}: {key} has shape {tuple(t.shape)}, expected {shape} "
+                                        f"(kv_heads={fp.num_kv_heads}, head_dim={fp.head_dim})")
+                if not torch.isfinite(t).all():
+                    raise ArtifactError(f"{where}: {key} contains NaN or inf")
+            for name in ("k_rotation", "v_rotation"):
+                err = rot.orthogonality_error(getattr(layer, name)).max().item()
+                if err > ORTHOGONALITY_TOL:
+                    raise ArtifactError(f"{where}: layers.{i}.{name} is not orthogonal "
+                                        f"(max |R^T R - I| = {err:.3g} > {ORTHOGONALITY_TOL:g})")
+            for name in ("k_clip", "v_clip"):
+                c = getattr(layer, name)
+                if ((c <= 0) | (c > 1)).any():
+                    raise ArtifactError(f"{where}: layers.{i}.{name} has clip ratios outside (0, 1]: {c.tolist()}")
+
+
+def save(art: RotationArtifacts, directory: str | os.PathLike) -> Path:
+    """Validate and write ``directory/manifest.json`` and ``directory/rotations.safetensors``."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    art.validate(str(out))
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        f"layers.{i}.{name}": getattr(layer, name).detach().to("cpu", torch.float32).contiguous()
+        for i, layer in enumerate(art.layers)
+        for name in LayerRotation.TENSOR_NAMES
+    }
+    save_file(tensors, str(out / TENSORS))
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "method": art.method,
+        "model": asdict(art.model),
+        "defaults": {"sink": art.sink, "recent": art.recent, "group_size": art.group},
+        "bits_per_element": 2 + 32 / art.group,
+        "calibration": art.calibration,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    return out
+
+
+def _read_manifest(path: Path) -> dict:
+    if not path.is_file():
+        raise ArtifactError(f"{path}: missing; a rotations directory needs {MANIFEST} and {TENSORS} "
+                            "(create one with oscar-calibrate)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise ArtifactError(f"{path}: not an oscar-sglang rotations manifest (format must be {FORMAT_NAME!r})")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{path}: unknown format_version {version!r}; this oscar-sglang reads version "
+                            f"{FORMAT_VERSION} (re-run oscar-calibrate with this version)")
+    for key in ("method", "model", "defaults"):
+        if key not in manifest:
+            raise ArtifactError(f"{path}: missing the {key!r} entry")
+    return manifest
+
+
+def load(
+    directory: str | os.PathLike,
+    expect: ModelFingerprint | None = None,
+) -> RotationArtifacts:
+    """Load and validate a rotations directory, optionally against the model about to be served."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    root = Path(directory)
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: rotations directory does not exist (create one with oscar-calibrate)")
+    manifest_path = root / MANIFEST
+    manifest = _read_manifest(manifest_path)
+    try:
+        fp = ModelFingerprint(**manifest["model"])
+    except TypeError as e:
+        raise ArtifactError(f"{manifest_path}: malformed model fingerprint ({e})") from None
+    if expect is not None:
+        diffs = fp.mismatches(expect)
+        if diffs:
+            raise ArtifactError(f"{manifest_path}: calibrated for a different model: " + "; ".join(diffs))
+    tensors_path = root / TENSORS
+    if not tensors_path.is_file():
+        raise ArtifactError(f"{tensors_path}: missing; the rotations directory is incomplete")
+    try:
+        tensors = load_file(str(tensors_path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ArtifactError(f"{tensors_path}: unreadable safetensors file ({e})") from None
+    layers = []
+    for i in range(fp.num_layers):
+        missing = [n for n in LayerRotation.TENSOR_NAMES if f"layers.{i}.{n}" not in tensors]
+        if missing:
+            raise ArtifactError(f"{tensors_path}: layer {i} lacks {', '.join(missing)}")
+        layers.append(LayerRotation(*(tensors[f"layers.{i}.{n}"].float() for n in LayerRotation.TENSOR_NAMES)))
+    defaults = manifest["defaults"]
+    group = int(defaults.get("group_size") or fp.head_dim)
+    art = RotationArtifacts(
+        model=fp,
+        method=str(manifest["method"]),
+        layers=layers,
+        sink=int(defaults.get("sink", DEFAULT_SINK)),
+        recent=int(defaults.get("recent", DEFAULT_RECENT)),
+        group_size=None if group == fp.head_dim else group,
+        calibration=manifest.get("calibration", {}),
+    )
+    art.validate(str(tensors_path))
+    return art
+
+
+# ---------------------------------------------------------------------------
+# Builders that need no calibration data: the baselines.
+
+
+def _uniform(fp: ModelFingerprint, method: str, r: torch.Tensor, **kw) -> RotationArtifacts:
+    kv, d = fp.num_kv_heads, fp.head_dim
+    r = r.to(torch.float32).expand(kv, d, d).clone()
+    layers = [
+        LayerRotation(r.clone(), r.clone(), torch.zeros(kv, d), torch.ones(kv), torch.ones(kv))
+        for _ in range(fp.num_layers)
+    ]
+    return RotationArtifacts(model=fp, method=method, layers=layers, **kw)
+
+
+def identity(fp: ModelFingerprint, **kw) -> RotationArtifacts:
+    """Naive INT2: no rotation, no centering, no clipping."""
+    return _uniform(fp, "identity", torch.eye(fp.head_dim), **kw)
+
+
+def hadamard(fp: ModelFingerprint, **kw) -> RotationArtifacts:
+    """QuaRot-style data-blind rotation ``R = H`` for every layer and KV head."""
+    return _uniform(fp, "hadamard", rot.hadamard(fp.head_dim), **kw)
+
+
+BUILDERS = {"identity": identity, "hadamard": hadamard}

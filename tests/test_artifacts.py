@@ -1,0 +1,175 @@
+"""Rotation artifacts: round trip, validation, and one clear error per bad case."""
+
+import json
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from oscar_sglang import artifacts as art
+from oscar_sglang import rotation as rot
+
+FP = art.ModelFingerprint(
+    architecture="LlamaForCausalLM", num_layers=3, hidden_size=128, num_attention_heads=4,
+    num_kv_heads=2, head_dim=32, vocab_size=1000, rope_type="default", rope_theta=10000.0,
+)
+
+
+def _random_artifact():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(FP.num_layers):
+        kr = torch.stack([rot.compose(torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64))[0]) for _ in range(2)])
+        vr = torch.stack([rot.compose(torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64))[0]) for _ in range(2)])
+        layers.append(art.LayerRotation(kr.float(), vr.float(), torch.randn(2, 32), torch.rand(2) * 0.5 + 0.5,
+                                        torch.rand(2) * 0.5 + 0.5))
+    return art.RotationArtifacts(FP, "oscar", layers, sink=8, recent=32, group_size=16,
+                                 calibration={"tokens": 123, "data": "unit test"})
+
+
+def test_save_load_round_trip(tmp_path):
+    a = _random_artifact()
+    art.save(a, tmp_path / "rot")
+    b = art.load(tmp_path / "rot", expect=FP)
+    assert b.model == FP and b.method == "oscar" and (b.sink, b.recent, b.group) == (8, 32, 16)
+    assert b.calibration == {"tokens": 123, "data": "unit test"}
+    for la, lb in zip(a.layers, b.layers):
+        for name in art.LayerRotation.TENSOR_NAMES:
+            assert torch.equal(getattr(la, name), getattr(lb, name))
+    manifest = json.loads((tmp_path / "rot" / art.MANIFEST).read_text())
+    assert manifest["format_version"] == art.FORMAT_VERSION and manifest["bits_per_element"] == 4.0
+
+
+@pytest.mark.parametrize("builder", ["identity", "hadamard"])
+def test_trivial_builders(tmp_path, builder):
+    a = art.BUILDERS[builder](FP)
+    art.save(a, tmp_path)
+    b = art.load(tmp_path, expect=FP)
+    assert b.method == builder and b.group == FP.head_dim
+    r = b.layers[0].k_rotation[1]
+    expected = torch.eye(32) if builder == "identity" else rot.hadamard(32).float()
+    assert torch.equal(r, expected)
+    assert (b.layers[2].k_mean == 0).all() and (b.layers[2].v_clip == 1).all()
+
+
+def test_fingerprint_from_transformers_config():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                      vocab_size=1000, rope_theta=10000.0, architectures=["LlamaForCausalLM"])
+    fp = art.ModelFingerprint.from_config(cfg)
+    assert fp == FP
+    # A duck-typed config (as SGLang hands over) works too.
+    ns = types.SimpleNamespace(architectures=None, model_type="llama", num_attention_heads=4, hidden_size=128,
+                               num_hidden_layers=3, num_key_value_heads=2, vocab_size=1000, rope_theta=5e5)
+    fp2 = art.ModelFingerprint.from_config(ns)
+    assert fp2.architecture == "llama" and fp2.head_dim == 32 and fp2.rope_theta == 5e5
+
+
+# ---- every bad-artifact case raises ArtifactError naming the file and the mismatch ----
+
+@pytest.fixture
+def saved(tmp_path):
+    d = tmp_path / "rot"
+    art.save(_random_artifact(), d)
+    return d
+
+
+def _rewrite_tensor(d, key, fn):
+    t = load_file(str(d / art.TENSORS))
+    t[key] = fn(t[key])
+    save_file(t, str(d / art.TENSORS))
+
+
+def _rewrite_manifest(d, fn):
+    m = json.loads((d / art.MANIFEST).read_text())
+    fn(m)
+    (d / art.MANIFEST).write_text(json.dumps(m))
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(art.ArtifactError, match=r"nope: rotations directory does not exist"):
+        art.load(tmp_path / "nope")
+
+
+def test_missing_manifest(saved):
+    (saved / art.MANIFEST).unlink()
+    with pytest.raises(art.ArtifactError, match=r"manifest\.json: missing"):
+        art.load(saved)
+
+
+def test_missing_tensors_file(saved):
+    (saved / art.TENSORS).unlink()
+    with pytest.raises(art.ArtifactError, match=r"rotations\.safetensors: missing"):
+        art.load(saved)
+
+
+def test_corrupt_tensors_file(saved):
+    (saved / art.TENSORS).write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(art.ArtifactError, match=r"rotations\.safetensors: unreadable"):
+        art.load(saved)
+
+
+def test_corrupt_manifest(saved):
+    (saved / art.MANIFEST).write_text("{not json")
+    with pytest.raises(art.ArtifactError, match=r"manifest\.json: not valid JSON"):
+        art.load(saved)
+
+
+def test_wrong_shape(saved):
+    _rewrite_tensor(saved, "layers.1.v_rotation", lambda t: t[:, :16, :16].contiguous())
+    with pytest.raises(art.ArtifactError, match=r"rotations\.safetensors: layers\.1\.v_rotation has shape \(2, 16, 16\), expected \(2, 32, 32\)"):
+        art.load(saved)
+
+
+def test_missing_layer_tensor(saved):
+    t = load_file(str(saved / art.TENSORS))
+    del t["layers.2.k_mean"]
+    save_file(t, str(saved / art.TENSORS))
+    with pytest.raises(art.ArtifactError, match=r"layer 2 lacks k_mean"):
+        art.load(saved)
+
+
+def test_wrong_model_fingerprint(saved):
+    other = art.ModelFingerprint(**{**FP.__dict__, "num_kv_heads": 4, "rope_theta": 1e6})
+    with pytest.raises(art.ArtifactError, match=r"manifest\.json: calibrated for a different model: "
+                                                r"num_kv_heads 2 in the artifact vs 4 in the model; rope_theta"):
+        art.load(saved, expect=other)
+
+
+def test_non_orthogonal_matrix(saved):
+    _rewrite_tensor(saved, "layers.0.k_rotation", lambda t: t * 1.01)
+    with pytest.raises(art.ArtifactError, match=r"layers\.0\.k_rotation is not orthogonal"):
+        art.load(saved)
+
+
+def test_nan(saved):
+    def poison(t):
+        t = t.clone()
+        t[1, 3] = float("nan")
+        return t
+
+    _rewrite_tensor(saved, "layers.2.k_mean", poison)
+    with pytest.raises(art.ArtifactError, match=r"layers\.2\.k_mean contains NaN or inf"):
+        art.load(saved)
+
+
+def test_unknown_version(saved):
+    _rewrite_manifest(saved, lambda m: m.update(format_version=99))
+    with pytest.raises(art.ArtifactError, match=r"manifest\.json: unknown format_version 99"):
+        art.load(saved)
+
+
+def test_bad_clip_ratio(saved):
+    _rewrite_tensor(saved, "layers.1.k_clip", lambda t: t * 0 + 1.5)
+    with pytest.raises(art.ArtifactError, match=r"layers\.1\.k_clip has clip ratios outside"):
+        art.load(saved)
+
+
+def test_save_refuses_invalid(tmp_path):
+    a = _random_artifact()
+    a.layers[0].v_rotation = a.layers[0].v_rotation * 2
+    with pytest.raises(art.ArtifactError, match="not orthogonal"):
+        art.save(a, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

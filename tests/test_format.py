@@ -1,0 +1,146 @@
+"""The INT2 row format against its definition (oscar_sglang/format.py docstring)."""
+
+import itertools
+
+import pytest
+import torch
+
+from oscar_sglang import format as fmt
+
+
+def test_pack_unpack_exact_inverse_for_every_code_pattern():
+    # All 4^4 = 256 byte patterns, i.e. every combination of four codes.
+    patterns = torch.tensor(list(itertools.product(range(4), repeat=4)), dtype=torch.uint8)
+    packed = fmt.pack(patterns)
+    assert packed.shape == (256, 1) and packed.dtype == torch.uint8
+    assert sorted(packed.flatten().tolist()) == list(range(256))
+    assert torch.equal(fmt.unpack(packed), patterns)
+    # And byte -> codes -> byte over all 256 values.
+    every_byte = torch.arange(256, dtype=torch.uint8).reshape(-1, 1)
+    assert torch.equal(fmt.pack(fmt.unpack(every_byte)), every_byte)
+
+
+def test_packing_order_is_little_endian_within_the_byte():
+    codes = torch.tensor([[1, 2, 3, 0, 3, 3, 0, 1]], dtype=torch.uint8)
+    packed = fmt.pack(codes)
+    assert packed.tolist() == [[1 | 2 << 2 | 3 << 4 | 0 << 6, 3 | 3 << 2 | 0 << 4 | 1 << 6]]
+
+
+def _reference_quantize(x, group, clip=None):
+    """Scalar-by-scalar restatement of the format, independent of the vectorised code."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d).double()
+    out = torch.empty_like(rows)
+    scales = torch.empty(rows.shape[0], d // group, dtype=torch.float64)
+    for i, row in enumerate(rows):
+        for gi in range(d // group):
+            g = row[gi * group:(gi + 1) * group].clone()
+            lo, hi = g.min().item(), g.max().item()
+            if clip is not None:
+                mid, half = (lo + hi) / 2, (hi - lo) / 2 * clip
+                g = g.clamp(mid - half, mid + half)
+                lo, hi = g.min().item(), g.max().item()
+            zero = torch.tensor(lo).half().double().item()
+            scale = torch.tensor((hi - zero) / 3).half().double().item()
+            c = torch.zeros_like(g) if scale == 0 else torch.round((g - zero) / scale).clamp(0, 3)
+            out[i, gi * group:(gi + 1) * group] = zero + c * scale
+            scales[i, gi] = scale
+    return out.reshape(x.shape), scales
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("group", [32, 64, None])
+def test_quantize_error_bounded_by_half_scale(d, group):
+    torch.manual_seed(d)
+    x = torch.randn(7, 3, d) * torch.linspace(0.1, 5, d)  # uneven channel ranges
+    x[0, 0, 5] = 40.0  # an outlier
+    g = d if group is None else group
+    q = fmt.quantize(x, group)
+    assert q.codes.shape == (7, 3, d // 4) and q.codes.dtype == torch.uint8
+    assert q.scale.shape == (7, 3, d // g) and q.scale.dtype == torch.float16
+    assert q.zero.dtype == torch.float16 and q.group_size == g and q.dim == d
+    xh = fmt.dequantize(q)
+    err = (xh - x).abs().reshape(7, 3, d // g, g)
+    half = q.scale.float().unsqueeze(-1) / 2
+    # fp16 storage of zero and scale perturbs the grid by at most a few fp16 ulps of the range.
+    slack = 4e-3 * x.abs().reshape(7, 3, d // g, g).amax(-1, keepdim=True)
+    assert (err <= half + slack).all()
+    ref, _ = _reference_quantize(x, g)
+    assert torch.allclose(xh.double(), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("group", [32, None])
+def test_clipped_elements_excepted_and_clip_matches_definition(group):
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 64)
+    clip = 0.8
+    q = fmt.quantize(x, group, clip_ratio=clip)
+    xh = fmt.dequantize(q)
+    ref, _ = _reference_quantize(x, group or 64, clip)
+    assert torch.allclose(xh.double(), ref, atol=1e-6)
+    # Unclipped elements keep the half-scale bound; clipped ones land on the clip range.
+    g = group or 64
+    xg = x.reshape(5, 2, 64 // g, g)
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    mid, half_range = (lo + hi) / 2, (hi - lo) / 2 * clip
+    inside = (xg >= mid - half_range) & (xg <= mid + half_range)
+    err = (xh.reshape_as(xg) - xg).abs()
+    bound = q.scale.float().unsqueeze(-1) / 2 + 4e-3 * xg.abs().amax(-1, keepdim=True)
+    assert (err[inside.expand_as(err)] <= bound.expand_as(err)[inside.expand_as(err)]).all()
+    assert (~inside).any(), "the test must actually clip something"
+
+
+def test_per_head_clip_ratio_broadcasts():
+    torch.manual_seed(1)
+    x = torch.randn(9, 3, 64)
+    ratios = torch.tensor([1.0, 0.9, 0.5]).reshape(3, 1)
+    q = fmt.quantize(x, clip_ratio=ratios)
+    for h, r in enumerate([1.0, 0.9, 0.5]):
+        single = fmt.quantize(x[:, h], clip_ratio=r)
+        assert torch.equal(q.codes[:, h], single.codes)
+        assert torch.equal(q.scale[:, h], single.scale)
+    with pytest.raises(ValueError):
+        fmt.quantize(x, clip_ratio=0.0)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, -3.25, 1000.0])
+@pytest.mark.parametrize("group", [32, None])
+def test_constant_rows_round_trip_exactly(value, group):
+    x = torch.full((4, 64), value, dtype=torch.bfloat16)
+    q = fmt.quantize(x, group)
+    assert (q.scale == 0).all()
+    xh = fmt.dequantize(q, dtype=torch.bfloat16)
+    assert torch.equal(xh, x)
+    assert torch.isfinite(fmt.dequantize(q)).all()
+
+
+def test_all_zero_rows_and_mixed_batches_have_no_nan():
+    x = torch.zeros(3, 2, 128)
+    x[1, 1] = torch.randn(128)
+    xh = fmt.fake_quantize(x, 64)
+    assert torch.isfinite(xh).all()
+    assert torch.equal(xh[0], x[0]) and torch.equal(xh[1, 0], x[1, 0])
+
+
+def test_extreme_codes_reproduce_row_min_and_max():
+    torch.manual_seed(3)
+    x = torch.randn(16, 64)
+    q = fmt.quantize(x)
+    codes = fmt.unpack(q.codes)
+    assert ((codes == 0).any(-1) & (codes == 3).any(-1)).all()
+    xh = fmt.dequantize(q)
+    assert torch.allclose(xh.amin(-1), x.amin(-1), atol=2e-3)
+
+
+def test_shape_errors_are_clear():
+    with pytest.raises(ValueError, match="divide"):
+        fmt.quantize(torch.randn(2, 64), group_size=48)
+    with pytest.raises(ValueError, match="divisible by 4"):
+        fmt.quantize(torch.randn(2, 6))
+
+
+def test_storage_accounting():
+    assert fmt.bits_per_element(64) == 2.5
+    assert fmt.bits_per_element(128) == 2.25
+    assert fmt.bytes_per_row(64) == 16 + 4
+    assert fmt.bytes_per_row(128, 32) == 32 + 16
