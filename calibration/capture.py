@@ -1,0 +1,79 @@
+"""See inside attention through transformers' attention interface.
+
+One attention function, registered with ``AttentionInterface`` under
+:data:`ATTN_NAME`, receives the post-RoPE queries, keys and values of every
+layer of every architecture that transformers implements with the functional
+attention interface.  It hands them to the active *taps* (callbacks), then
+computes attention exactly as ``sdpa`` would.  No per-architecture hooks.
+
+Tensors reach a tap as transformers passes them: ``query[b, q_heads, s, d]``,
+``key``/``value[b, kv_heads, s_kv, d]`` (before GQA repetition).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterable
+
+import torch
+
+ATTN_NAME = "oscar_capture"
+Tap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+_taps: list[Tap] = []
+_registered = False
+
+
+def _attention(module, query, key, value, attention_mask, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    for tap in list(_taps):
+        tap(module.layer_idx, query, key, value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register() -> None:
+    """Register the capturing attention (and sdpa's mask format for it) once per process."""
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    _registered = True
+
+
+@contextmanager
+def tapped(model, tap: Tap):
+    """Within the block, every attention call of ``model`` passes its q, k, v to ``tap(layer, q, k, v)``."""
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    _taps.append(tap)
+    try:
+        yield model
+    finally:
+        _taps.remove(tap)
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def capture_kv(model, sequences: Iterable[torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Post-RoPE keys and values of every layer, token-major ``[tokens, kv_heads, d]`` float32.
+
+    ``sequences`` are 1-D token id tensors, each run as its own forward pass
+    without a KV cache (so the tap sees exactly that sequence's keys).
+    """
+    keys: dict[int, list[torch.Tensor]] = {}
+    values: dict[int, list[torch.Tensor]] = {}
+
+    def tap(layer, q, k, v):
+        keys.setdefault(layer, []).append(k[0].transpose(0, 1).float().cpu())
+        values.setdefault(layer, []).append(v[0].transpose(0, 1).float().cpu())
+
+    with tapped(model, tap):
+        for ids in sequences:
+            model(ids.reshape(1, -1).to(model.device), use_cache=False)
+    return {layer: (torch.cat(keys[layer]), torch.cat(values[layer])) for layer in sorted(keys)}

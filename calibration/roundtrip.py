@@ -1,0 +1,97 @@
+"""INT2 round-trip error of real keys and values under a rotation artifact.
+
+The error is measured on what the cache stores: ``x' = (x - mu) R`` quantized
+and dequantized by the INT2 format, with the artifact's group size and clip
+ratios.  Because ``R`` is orthogonal, ``||x̂' - x'||`` equals the error of the
+reconstructed key or value in the model's own coordinates, so methods are
+compared on the same footing.  Sink and recent BF16 windows are ignored here:
+this is the format's error on every token, the worst case.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_sglang import artifacts as art
+from oscar_sglang import assets
+from oscar_sglang import format as fmt
+from oscar_sglang import rotation as rot
+from oscar_sglang.artifacts import RotationArtifacts
+
+from . import capture, data
+from . import model as model_io
+
+
+def relative_error(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None,
+                   clip: torch.Tensor, group_size: int) -> float:
+    """``||Q(x') - x'||_F / ||x||_F`` for ``x[tokens, kv_heads, d]``."""
+    xr = rot.rotate_kv(x, rotation, mean)
+    xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1))
+    return ((xq - xr).norm() / x.float().norm()).item()
+
+
+def per_layer_errors(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], art: RotationArtifacts) -> list[dict]:
+    """One row per layer: ``{"layer", "k", "v"}`` relative errors."""
+    rows = []
+    for layer, (k, v) in sorted(kv.items()):
+        lr = art.layers[layer]
+        rows.append({
+            "layer": layer,
+            "k": relative_error(k, lr.k_rotation, lr.k_mean, lr.k_clip, art.group),
+            "v": relative_error(v, lr.v_rotation, None, lr.v_clip, art.group),
+        })
+    return rows
+
+
+def with_key_means(art: RotationArtifacts, kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                   method: str) -> RotationArtifacts:
+    """A copy of ``art`` whose per-(layer, KV head) key means come from ``kv`` (OptR's centering)."""
+    from dataclasses import replace
+
+    layers = [replace(lr, k_mean=kv[i][0].mean(0)) for i, lr in enumerate(art.layers)]
+    return replace(art, layers=layers, method=method)
+
+
+def markdown_table(results: dict[str, list[dict]]) -> str:
+    """Per-layer K and V errors, one column pair per method, plus the mean row."""
+    names = list(results)
+    head = "| layer | " + " | ".join(f"K {n} | V {n}" for n in names) + " |"
+    sep = "|---:|" + "---:|---:|" * len(names)
+    lines = [head, sep]
+    n_layers = len(next(iter(results.values())))
+    for i in range(n_layers):
+        cells = " | ".join(f"{results[n][i]['k']:.3f} | {results[n][i]['v']:.3f}" for n in names)
+        lines.append(f"| {results[names[0]][i]['layer']} | {cells} |")
+    means = " | ".join(
+        f"**{sum(r['k'] for r in results[n]) / n_layers:.3f}** | **{sum(r['v'] for r in results[n]) / n_layers:.3f}**"
+        for n in names)
+    lines.append(f"| mean | {means} |")
+    return "\n".join(lines)
+
+
+def measure(model_path=None, eval_text="hamlet_gut", center_text="macbeth_gut", tokens=2048, seq_len=512,
+            skip_tokens=1000, text_folder=None):
+    """Identity, Hadamard and centred-Hadamard errors on real keys/values; returns ``(results, meta)``.
+
+    The centred control takes its key means from ``center_text``, never from the text it is measured on.
+    """
+    lm, tok, path = model_io.load(model_path)
+    fp = art.ModelFingerprint.from_config(lm.config)
+    texts = assets.read_texts([eval_text, center_text], folder=text_folder)
+    eval_seqs = data.token_sequences(tok, texts[eval_text], seq_len, tokens, skip_tokens)
+    center_seqs = data.token_sequences(tok, texts[center_text], seq_len, tokens, skip_tokens)
+    kv_eval = capture.capture_kv(lm, eval_seqs)
+    kv_center = capture.capture_kv(lm, center_seqs)
+    hadamard = art.hadamard(fp)
+    methods = {
+        "identity": art.identity(fp),
+        "hadamard": hadamard,
+        "hadamard+center": with_key_means(hadamard, kv_center, "hadamard+center"),
+    }
+    results = {name: per_layer_errors(kv_eval, a) for name, a in methods.items()}
+    meta = {
+        "model": str(path), "fingerprint": fp.__dict__, "eval_text": eval_text, "center_text": center_text,
+        "eval_tokens": sum(s.numel() for s in eval_seqs), "seq_len": seq_len, "skip_tokens": skip_tokens,
+        "group_size": fp.head_dim, "bits_per_element": 2 + 32 / fp.head_dim,
+    }
+    return results, meta

@@ -1,0 +1,75 @@
+"""INT2 round-trip error of real keys and values, per layer, identity vs Hadamard (vs centred Hadamard).
+
+    .venv/bin/python scripts/report_roundtrip.py            # default model, writes docs/roundtrip.*
+
+Captures post-RoPE keys and values of the model on an evaluation text, and
+measures ``||Q(x R) - x R|| / ||x||`` per layer for each rotation.  The
+centred control subtracts per-(layer, KV head) key means taken from a
+*different* text (the calibration text), as OptR's centering would.
+Writes a markdown table, a PNG plot and the raw JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+from oscar_sglang.calibration import roundtrip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plot(results, meta, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    for ax, which, title in ((axes[0], "k", "keys"), (axes[1], "v", "values")):
+        for name, rows in results.items():
+            ax.plot([r["layer"] for r in rows], [r[which] for r in rows], marker="o", ms=3, label=name)
+        ax.set_title(f"INT2 round-trip error of {title}")
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("||Q(x') - x'|| / ||x||")
+    axes[0].legend()
+    fig.suptitle(f"{Path(meta['model']).name}: {meta['eval_tokens']} tokens of {meta['eval_text']}, "
+                 f"group {meta['group_size']} ({meta['bits_per_element']} bits/elt)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model folder or GGUF file (default: embedded SmolLM2-135M)")
+    p.add_argument("--eval-text", default="hamlet_gut", help="text (by stem) whose keys/values are measured")
+    p.add_argument("--center-text", default="macbeth_gut", help="text the key means are taken from")
+    p.add_argument("--text-folder", type=Path, default=None, help="folder of .txt files (default: Shakespeare cache)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for roundtrip.{md,png,json}")
+    args = p.parse_args(argv)
+    t0 = time.time()
+    results, meta = roundtrip.measure(args.model, args.eval_text, args.center_text, args.tokens, args.seq_len,
+                            text_folder=args.text_folder)
+    meta["seconds"] = round(time.time() - t0, 1)
+    meta["date"] = datetime.date.today().isoformat()
+    meta["command"] = "python scripts/report_roundtrip.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = roundtrip.markdown_table(results)
+    (args.out / "roundtrip.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    (args.out / "roundtrip_table.md").write_text(table + "\n")
+    plot(results, meta, args.out / "roundtrip.png")
+    print(table)
+    print(f"\nwrote {args.out}/roundtrip.json, roundtrip_table.md, roundtrip.png in {meta['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
