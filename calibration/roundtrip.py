@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from oscar_sglang import artifacts as art
-from oscar_sglang import assets
+from oscar_sglang import assets, configs
 from oscar_sglang import format as fmt
 from oscar_sglang import rotation as rot
 from oscar_sglang.artifacts import RotationArtifacts
@@ -43,6 +43,20 @@ def per_layer_errors(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], art: Rota
     return rows
 
 
+def key_statistics(kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[dict]:
+    """Why keys are hard at INT2, per layer: the share of key energy in the per-head mean
+    (``||mean||^2 / E||k||^2``, what centering removes) and the largest channel RMS over the
+    median channel RMS (outlier channels, what a rotation spreads)."""
+    rows = []
+    for layer, (k, _) in sorted(kv.items()):
+        k = k.double()
+        mean_share = (k.mean(0).pow(2).sum(-1) / k.pow(2).sum(-1).mean(0)).mean().item()
+        rms = k.pow(2).mean(0).sqrt()  # [kv_heads, d]
+        outlier = (rms.amax(-1) / rms.median(-1).values).mean().item()
+        rows.append({"layer": layer, "key_mean_energy_share": mean_share, "key_max_over_median_channel_rms": outlier})
+    return rows
+
+
 def with_key_means(art: RotationArtifacts, kv: dict[int, tuple[torch.Tensor, torch.Tensor]],
                    method: str) -> RotationArtifacts:
     """A copy of ``art`` whose per-(layer, KV head) key means come from ``kv`` (OptR's centering)."""
@@ -69,12 +83,18 @@ def markdown_table(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def measure(model_path=None, eval_text="hamlet_gut", center_text="macbeth_gut", tokens=2048, seq_len=512,
+def measure(model_path=None, eval_text=None, center_text=None, tokens=2048, seq_len=512,
             skip_tokens=1000, text_folder=None):
     """Identity, Hadamard and centred-Hadamard errors on real keys/values; returns ``(results, meta)``.
 
     The centred control takes its key means from ``center_text``, never from the text it is measured on.
+    Defaults: the first evaluation and the first calibration text of ``configs/text_split.json``.
     """
+    cal_texts, eval_texts = configs.text_split()
+    eval_text = eval_text or eval_texts[0]
+    center_text = center_text or cal_texts[0]
+    if eval_text == center_text:
+        raise ValueError(f"measure keys on one text and take key means from another, not both from {eval_text}")
     lm, tok, path = model_io.load(model_path)
     fp = art.ModelFingerprint.from_config(lm.config)
     texts = assets.read_texts([eval_text, center_text], folder=text_folder)
@@ -93,5 +113,6 @@ def measure(model_path=None, eval_text="hamlet_gut", center_text="macbeth_gut", 
         "model": str(path), "fingerprint": fp.__dict__, "eval_text": eval_text, "center_text": center_text,
         "eval_tokens": sum(s.numel() for s in eval_seqs), "seq_len": seq_len, "skip_tokens": skip_tokens,
         "group_size": fp.head_dim, "bits_per_element": 2 + 32 / fp.head_dim,
+        "key_statistics": key_statistics(kv_eval),
     }
     return results, meta

@@ -48,8 +48,8 @@ def plot(results, meta, path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model folder or GGUF file (default: embedded SmolLM2-135M)")
-    p.add_argument("--eval-text", default="hamlet_gut", help="text (by stem) whose keys/values are measured")
-    p.add_argument("--center-text", default="macbeth_gut", help="text the key means are taken from")
+    p.add_argument("--eval-text", default=None, help="text (by stem) whose keys/values are measured (default: first evaluation text)")
+    p.add_argument("--center-text", default=None, help="text the key means are taken from (default: first calibration text)")
     p.add_argument("--text-folder", type=Path, default=None, help="folder of .txt files (default: Shakespeare cache)")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=512)

@@ -1,0 +1,57 @@
+"""The environment the setup script builds, and the layering the architecture promises."""
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(code: str, **env):
+    import os
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+def test_sglang_imports_on_this_machine():
+    # The CPU engine path: SGLang's server args and memory pool import (through the
+    # sgl_kernel shim where CUDA is absent).
+    r = _run("import sglang, sglang.srt.server_args, sglang.srt.mem_cache.memory_pool as m;"
+             "print(sglang.__version__, m.MHATokenToKVPool.__name__)", SGLANG_USE_CPU_ENGINE="1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["0.5.23", "MHATokenToKVPool"]
+
+
+def test_numerics_and_calibration_never_import_sglang():
+    r = _run("import sys, oscar_sglang, oscar_sglang.format, oscar_sglang.rotation, oscar_sglang.artifacts,"
+             " oscar_sglang.assets, oscar_sglang.kernels, oscar_sglang.calibration.capture,"
+             " oscar_sglang.calibration.roundtrip;"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'sgl_kernel')))")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[]"
+
+
+def test_no_generic_top_level_modules_installed():
+    # kernels/ and calibration/ are mapped under oscar_sglang, never installed as top-level names.
+    import importlib.util
+
+    import oscar_sglang.calibration
+    import oscar_sglang.kernels
+
+    assert oscar_sglang.kernels.__name__ == "oscar_sglang.kernels"
+    assert oscar_sglang.calibration.__file__.endswith("calibration/__init__.py")
+    spec = importlib.util.find_spec("calibration")
+    assert spec is None or "oscar" not in str(spec.origin)
+
+
+def test_cpu_shim_raises_clearly_when_called():
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the shim is installed only where CUDA is absent")
+    import sgl_kernel
+
+    with pytest.raises(NotImplementedError, match="CPU import shim"):
+        sgl_kernel.fused_add_rmsnorm()
+    assert not hasattr(sgl_kernel, "__path_that_does_not_exist__")
