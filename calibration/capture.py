@@ -7,7 +7,9 @@ attention interface.  It hands them to the active *taps* (callbacks), then
 computes attention exactly as ``sdpa`` would.  No per-architecture hooks.
 
 Tensors reach a tap as transformers passes them: ``query[b, q_heads, s, d]``,
-``key``/``value[b, kv_heads, s_kv, d]`` (before GQA repetition).
+``key``/``value[b, kv_heads, s_kv, d]`` (before GQA repetition), and the
+attention output ``out[b, s, q_heads, d]`` (before ``W_O``), which for causal
+attention is ``S V`` with ``S`` the attention probabilities.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Callable, Iterable
 import torch
 
 ATTN_NAME = "oscar_capture"
-Tap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+Tap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 _taps: list[Tap] = []
 _registered = False
@@ -27,9 +29,10 @@ _registered = False
 def _attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     for tap in list(_taps):
-        tap(module.layer_idx, query, key, value)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        tap(module.layer_idx, query, key, value, out)
+    return out, weights
 
 
 def register() -> None:
@@ -47,7 +50,7 @@ def register() -> None:
 
 @contextmanager
 def tapped(model, tap: Tap):
-    """Within the block, every attention call of ``model`` passes its q, k, v to ``tap(layer, q, k, v)``."""
+    """Within the block, every attention call of ``model`` calls ``tap(layer, q, k, v, out)``."""
     register()
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_NAME)
@@ -69,7 +72,7 @@ def capture_kv(model, sequences: Iterable[torch.Tensor]) -> dict[int, tuple[torc
     keys: dict[int, list[torch.Tensor]] = {}
     values: dict[int, list[torch.Tensor]] = {}
 
-    def tap(layer, q, k, v):
+    def tap(layer, q, k, v, out):
         keys.setdefault(layer, []).append(k[0].transpose(0, 1).float().cpu())
         values.setdefault(layer, []).append(v[0].transpose(0, 1).float().cpu())
 

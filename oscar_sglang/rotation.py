@@ -95,6 +95,12 @@ def orthogonality_error(r: torch.Tensor) -> torch.Tensor:
     return (r.transpose(-1, -2) @ r - eye).abs().amax(dim=(-1, -2))
 
 
+def nearest_orthogonal(m: torch.Tensor) -> torch.Tensor:
+    """The orthogonal matrix closest to ``m`` in Frobenius norm (polar factor ``U Vᵀ``), float64, batched."""
+    u, _, vh = torch.linalg.svd(m.to(torch.float64))
+    return u @ vh
+
+
 def group_index(q_heads: int, kv_heads: int, device=None) -> torch.Tensor:
     """KV head used by each query head: ``h // (q_heads // kv_heads)``."""
     if kv_heads <= 0 or q_heads % kv_heads:

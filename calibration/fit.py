@@ -1,0 +1,109 @@
+"""OSCAR rotations from statistics, and the per-head clip search (METHOD.md steps 3-5).
+
+The clip search scores each candidate ratio by the error that matters, on
+calibration sequences, over exactly the (query, key) pairs that serving
+reads from INT2 in decode (see :mod:`.served`):
+
+* keys: the squared logit error ``Σ (q'_i · Δk'_t)²``, summed over the query
+  heads of the KV head (query-weighted);
+* values: the squared attention-output error ``Σ_i ||Σ_t p_it Δv'_t||²`` with
+  the exact attention probabilities (attention-weighted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_sglang import rotation as rot
+
+from . import served
+from .stats import LayerSample, LayerStats
+
+CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45)
+
+
+def oscar_rotations(stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """``R_K = U_Q H P`` and ``R_V = U_S H P`` per KV head (float64 ``[kv_heads, d, d]``)."""
+    _, u_q = rot.eigenbasis(stats.query_cov)
+    _, u_s = rot.eigenbasis(stats.value_cov)
+    return rot.compose(u_q), rot.compose(u_s)
+
+
+def query_positions(seq_len: int, sink: int, recent: int, max_queries: int, generator: torch.Generator) -> torch.Tensor:
+    """Query positions that read at least one INT2 key in decode, subsampled to ``max_queries``."""
+    first = sink + recent
+    if first >= seq_len:
+        raise ValueError(f"sequences of {seq_len} tokens never leave the BF16 windows (sink {sink} + recent "
+                         f"{recent}); calibrate with longer sequences or smaller windows")
+    pos = torch.arange(first, seq_len)
+    if pos.numel() > max_queries:
+        pos = pos[torch.randperm(pos.numel(), generator=generator)[:max_queries]].sort().values
+    return pos
+
+
+class RotatedSample:
+    """One sequence in rotated space with its query subset and masks, reused across candidates."""
+
+    def __init__(self, sample: LayerSample, k_rot, v_rot, k_mean, sink, recent, scale, pos):
+        q = sample.q.float()[:, pos]  # [H, nq, d]
+        k, v = sample.k.float(), sample.v.float()  # [G, T, d]
+        h, g = q.shape[0], k.shape[0]
+        self.rep = h // g
+        self.qr = rot.rotate_queries(q.transpose(0, 1), k_rot).transpose(0, 1)  # [H, nq, d]
+        self.kr = rot.rotate_kv(k.transpose(0, 1), k_rot, k_mean).transpose(0, 1)  # [G, T, d]
+        self.vr = rot.rotate_kv(v.transpose(0, 1), v_rot).transpose(0, 1)
+        t = k.shape[1]
+        allowed = served.causal_mask(pos, t)
+        self.exact = served.decode_exact_mask(pos, t, sink, recent)
+        self.int2 = allowed & ~self.exact
+        self.allowed = allowed
+        logits = torch.einsum("hsd,htd->hst", self.qr, self.kr.repeat_interleave(self.rep, 0)) * scale
+        self.probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+
+    def key_error(self, kq: torch.Tensor) -> torch.Tensor:
+        """Per KV head: squared logit error over the INT2 pairs."""
+        dk = (kq - self.kr).repeat_interleave(self.rep, 0)
+        e = torch.einsum("hsd,htd->hst", self.qr, dk).square() * self.int2
+        return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
+
+    def value_error(self, vq: torch.Tensor) -> torch.Tensor:
+        """Per KV head: squared attention-output error from INT2 values."""
+        dv = (vq - self.vr).repeat_interleave(self.rep, 0)
+        e = torch.einsum("hst,htd->hsd", self.probs * self.int2, dv).square()
+        return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
+
+    def key_energy(self) -> torch.Tensor:
+        e = torch.einsum("hsd,htd->hst", self.qr, self.kr.repeat_interleave(self.rep, 0)).square() * self.int2
+        return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
+
+    def value_energy(self) -> torch.Tensor:
+        e = torch.einsum("hst,htd->hsd", self.probs * self.int2, self.vr.repeat_interleave(self.rep, 0)).square()
+        return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
+
+
+@torch.no_grad()
+def search_clips(samples: list[RotatedSample], group_size: int, grid=CLIP_GRID) -> dict:
+    """Best clip ratio per KV head for keys and values; returns ratios and relative errors."""
+    from oscar_sglang import format as fmt
+
+    kv_heads = samples[0].kr.shape[0]
+    k_err = torch.zeros(len(grid), kv_heads, dtype=torch.float64)
+    v_err = torch.zeros(len(grid), kv_heads, dtype=torch.float64)
+    k_energy = sum(s.key_energy() for s in samples).double()
+    v_energy = sum(s.value_energy() for s in samples).double()
+    for ci, c in enumerate(grid):
+        clip = torch.full((kv_heads, 1, 1), float(c))
+        for s in samples:
+            k_err[ci] += s.key_error(fmt.fake_quantize(s.kr, group_size, clip)).double()
+            v_err[ci] += s.value_error(fmt.fake_quantize(s.vr, group_size, clip)).double()
+    grid_t = torch.tensor(grid, dtype=torch.float32)
+    kb, vb = k_err.argmin(0), v_err.argmin(0)
+    heads = torch.arange(kv_heads)
+    return {
+        "k_clip": grid_t[kb],
+        "v_clip": grid_t[vb],
+        "k_rel_error": (k_err[kb, heads] / k_energy.clamp_min(1e-30)).sqrt(),
+        "v_rel_error": (v_err[vb, heads] / v_energy.clamp_min(1e-30)).sqrt(),
+        "k_rel_error_noclip": (k_err[0] / k_energy.clamp_min(1e-30)).sqrt(),
+        "v_rel_error_noclip": (v_err[0] / v_energy.clamp_min(1e-30)).sqrt(),
+    }

@@ -1,0 +1,74 @@
+"""Markdown tables and PNG plots for the accuracy report (matplotlib imported lazily)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def accuracy_table(results: dict) -> str:
+    """One row per method: perplexities, mean layer error, NIAH accuracy."""
+    ctxs = sorted({int(c) for r in results.values() for c in r["ppl"]})
+    head = ("| method | " + " | ".join(f"PPL {c} | PPL {c} tail" for c in ctxs)
+            + " | mean layer err | NIAH |")
+    lines = [head, "|---|" + "---:|---:|" * len(ctxs) + "---:|---:|"]
+    for name, r in results.items():
+        ppl = " | ".join(f"{r['ppl'][str(c)]['ppl']:.2f} | {r['ppl'][str(c)]['ppl_tail']:.2f}" for c in ctxs)
+        err = r.get("layer_errors")
+        err_s = f"{sum(err) / len(err):.3f}" if err else "0 (reference)"
+        niah = r.get("niah") or []
+        acc = sum(x["accuracy"] for x in niah) / len(niah) if niah else float("nan")
+        lines.append(f"| {name} | {ppl} | {err_s} | {acc:.0%} |")
+    return "\n".join(lines)
+
+
+def plot_layer_errors(results: dict, path: Path, title: str) -> None:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    for name, r in results.items():
+        if r.get("layer_errors"):
+            ax.plot(range(len(r["layer_errors"])), r["layer_errors"], marker="o", ms=3, label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative attention-output error after W_O")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_niah(results: dict, path: Path, title: str) -> None:
+    plt = _plt()
+    names = [n for n, r in results.items() if r.get("niah")]
+    if not names:
+        return
+    first = results[names[0]]["niah"]
+    lengths = sorted({x["length"] for x in first})
+    depths = sorted({x["depth"] for x in first})
+    fig, axes = plt.subplots(1, len(names), figsize=(2.3 * len(names), 2.8), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        grid = [[next(x["accuracy"] for x in results[name]["niah"] if x["length"] == L and x["depth"] == d)
+                 for L in lengths] for d in depths]
+        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(L) for L in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        for yi, row in enumerate(grid):
+            for xi, v in enumerate(row):
+                ax.text(xi, yi, f"{v:.0%}", ha="center", va="center", fontsize=7)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("context tokens", fontsize=7)
+    axes[0][0].set_ylabel("needle depth", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

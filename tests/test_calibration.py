@@ -1,0 +1,259 @@
+"""Calibration statistics, OSCAR fit, clip search, OptR and the simulated cache, on a tiny model."""
+
+import pytest
+import torch
+
+from oscar_sglang import artifacts as art
+from oscar_sglang import format as fmt
+from oscar_sglang import rotation as rot
+from oscar_sglang.calibration import calibrate as cal
+from oscar_sglang.calibration import capture, fit, optr, served, simulate
+from oscar_sglang.calibration.stats import StatsCollector
+
+Q_HEADS, KV_HEADS, D = 4, 2, 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=Q_HEADS * D, intermediate_size=96, num_attention_heads=Q_HEADS,
+                      num_key_value_heads=KV_HEADS, num_hidden_layers=2, vocab_size=97,
+                      max_position_embeddings=256, rope_theta=1000.0, attn_implementation="sdpa",
+                      architectures=["LlamaForCausalLM"])
+    model = LlamaForCausalLM(cfg).double().eval()
+    # Give keys a constant offset (as real RoPE keys have) so centering has something to remove.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(3.0)
+    return model
+
+
+def _sequences(n, length, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 97, (length,), generator=g) for _ in range(n)]
+
+
+def _captured(model, seqs):
+    """Post-RoPE q, k, v per layer, per sequence, straight from the capture tap."""
+    got = {}
+
+    def tap(layer, q, k, v, out):
+        got.setdefault(layer, []).append((q[0].clone(), k[0].clone(), v[0].clone()))
+
+    with torch.no_grad(), capture.tapped(model, tap):
+        for s in seqs:
+            model(s.reshape(1, -1), use_cache=False)
+    return got
+
+
+def _collect(model, seqs, weighting="exact", keep=0):
+    collector = StatsCollector(2, Q_HEADS, KV_HEADS, D, weighting, keep)
+    with torch.no_grad(), capture.tapped(model, collector):
+        for s in seqs:
+            model(s.reshape(1, -1), use_cache=False)
+    return collector
+
+
+def test_query_covariance_and_key_mean_match_direct_computation(tiny):
+    seqs = _sequences(3, 20)
+    col = _collect(tiny, seqs)
+    qkv = _captured(tiny, seqs)
+    for layer in (0, 1):
+        q = torch.cat([x[0] for x in qkv[layer]], dim=1)  # [H, N, d]
+        k = torch.cat([x[1] for x in qkv[layer]], dim=1)  # [G, N, d]
+        n = q.shape[1]
+        for g in range(KV_HEADS):
+            direct = sum(q[h].T @ q[h] for h in range(g * 2, g * 2 + 2)) / n
+            got = col.layers[layer].query_cov[g]
+            assert torch.allclose(got, direct, rtol=1e-8, atol=1e-12 * direct.abs().max())
+            assert torch.allclose(col.layers[layer].key_mean[g], k[g].mean(0), rtol=1e-8)
+        assert col.layers[layer].tokens == 60
+
+
+def test_exact_value_covariance_matches_explicit_attention_probabilities(tiny):
+    seqs = _sequences(2, 16)
+    col = _collect(tiny, seqs)
+    qkv = _captured(tiny, seqs)
+    for layer in (0, 1):
+        total = torch.zeros(KV_HEADS, D, D, dtype=torch.float64)
+        for q, k, v in qkv[layer]:
+            s = q.shape[1]
+            causal = torch.ones(s, s, dtype=torch.bool).tril()
+            for h in range(Q_HEADS):
+                g = h // 2
+                logits = (q[h] @ k[g].T) * D**-0.5
+                probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+                sv = probs @ v[g]
+                total[g] += sv.T @ sv
+        direct = total / 32
+        assert torch.allclose(col.layers[layer].value_cov, direct, rtol=1e-8, atol=1e-14)
+
+
+def test_proxy_value_covariance_weights_by_key_importance(tiny):
+    seqs = _sequences(1, 24)
+    col = _collect(tiny, seqs, "proxy")
+    q, k, v = _captured(tiny, seqs)[1][0]
+    cq = col.layers[1].query_cov
+    for g in range(KV_HEADS):
+        w = torch.einsum("td,de,te->t", k[g], cq[g], k[g])
+        w = w / w.mean()
+        direct = (v[g].T * w) @ v[g] / 24
+        assert torch.allclose(col.layers[1].value_cov[g], direct, rtol=1e-8)
+
+
+def test_memory_does_not_grow_with_tokens(tiny):
+    col = _collect(tiny, _sequences(6, 20), keep=2)
+    assert all(len(layer.samples) == 2 for layer in col.layers)
+    assert col.layers[0].c_q.shape == (KV_HEADS, D, D)
+
+
+def test_oscar_rotations_are_orthogonal_and_built_from_the_eigenvectors(tiny):
+    col = _collect(tiny, _sequences(3, 20))
+    st = col.layers[1]
+    r_k, r_v = fit.oscar_rotations(st)
+    assert rot.orthogonality_error(r_k).max() < 1e-10 and rot.orthogonality_error(r_v).max() < 1e-10
+    h = rot.hadamard(D)
+    p = rot.permutation_matrix(rot.bit_reversal_permutation(D))
+    for r, cov in ((r_k, st.query_cov), (r_v, st.value_cov)):
+        u = r @ p.T @ h.T  # undo P then H: the eigenbasis
+        for g in range(KV_HEADS):
+            lam = torch.diagonal(u[g].T @ cov[g] @ u[g])
+            assert torch.allclose(cov[g] @ u[g], u[g] * lam, atol=1e-9 * cov[g].abs().max())
+            assert (lam[:-1] >= lam[1:] - 1e-12).all()
+
+
+def _artifact(model, method="identity", **kw):
+    fp = art.ModelFingerprint.from_config(model.config)
+    return art.BUILDERS[method](fp, **kw)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids.reshape(1, -1), use_cache=False).logits[0]
+
+
+def test_simulated_cache_without_quantization_reproduces_the_model(tiny):
+    ids = _sequences(1, 40)[0]
+    ref = _logits(tiny, ids)
+    a = _artifact(tiny, "identity")
+    for mode in simulate.MODES:
+        with simulate.simulated(tiny, simulate.SimState(a, mode=mode, quantize=False)):
+            got = _logits(tiny, ids)
+        assert torch.allclose(got, ref, atol=1e-10), mode
+    # Rotations and key centering change nothing without quantization either.
+    centred = _artifact(tiny, "hadamard")
+    for layer in centred.layers:
+        layer.k_mean = torch.randn(KV_HEADS, D) * 5
+    with simulate.simulated(tiny, simulate.SimState(centred, quantize=False)):
+        got = _logits(tiny, ids)
+    assert torch.allclose(got, ref, atol=1e-9)
+    assert tiny.config._attn_implementation == "sdpa"
+
+
+def test_sink_and_recent_windows_are_exact_under_quantization(tiny):
+    ids = _sequences(1, 48)[0]
+    ref = _logits(tiny, ids)
+    a = _artifact(tiny, "hadamard", sink=4, recent=8)
+    with simulate.simulated(tiny, simulate.SimState(a, mode="decode")):
+        got = _logits(tiny, ids)
+    # Positions whose whole history lies in the windows are exact in every layer...
+    assert torch.allclose(got[:12], ref[:12], atol=1e-10)
+    # ...and later positions do read INT2.
+    assert not torch.allclose(got[12:], ref[12:], atol=1e-3)
+    # Windows that cover everything make quantization invisible.
+    wide = _artifact(tiny, "hadamard", sink=0, recent=48)
+    with simulate.simulated(tiny, simulate.SimState(wide, mode="decode")):
+        assert torch.allclose(_logits(tiny, ids), ref, atol=1e-10)
+    # Serving: a prefill is exact among its own tokens.
+    with simulate.simulated(tiny, simulate.SimState(a, mode="serve")):
+        assert torch.allclose(_logits(tiny, ids), ref, atol=1e-10)
+
+
+def test_decode_mask_matches_token_by_token_reads():
+    pos = torch.arange(10)
+    exact = served.decode_exact_mask(pos, 10, sink=2, recent=3)
+    for i in range(10):
+        for t in range(i + 1):
+            assert bool(exact[i, t]) == (t < 2 or t >= i - 2)
+    s = served.serve_exact_mask(2, 10, sink=2, recent=3)
+    assert s[0].tolist() == [True, True, False, False, False, False, False, True, True, True]
+
+
+def test_straight_through_quantizer_matches_the_format_forward():
+    torch.manual_seed(0)
+    x = (torch.randn(5, 3, 64) * 3).requires_grad_()
+    clip = torch.tensor([1.0, 0.8, 0.6]).reshape(3, 1)
+    y = served.fake_quantize_ste(x, 32, clip)
+    assert torch.equal(y, fmt.fake_quantize(x.detach(), 32, clip))
+    y.square().sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_clip_search_finds_the_brute_force_minimum(tiny):
+    col = _collect(tiny, _sequences(2, 48), keep=2)
+    st = col.layers[1]
+    r_k, r_v = fit.oscar_rotations(st)
+    gen = torch.Generator().manual_seed(0)
+    samples = [fit.RotatedSample(s, r_k.float(), r_v.float(), st.key_mean.float(), 4, 8, D**-0.5,
+                                 fit.query_positions(48, 4, 8, 100, gen)) for s in st.samples]
+    res = fit.search_clips(samples, D)
+    for g in range(KV_HEADS):
+        errs = []
+        for c in fit.CLIP_GRID:
+            e = 0.0
+            for s in samples:
+                kq = fmt.fake_quantize(s.kr[g], D, c)
+                dl = torch.einsum("hsd,td->hst", s.qr[2 * g:2 * g + 2], kq - s.kr[g])
+                e += (dl.square() * s.int2).sum().item()
+            errs.append(e)
+        assert res["k_clip"][g].item() == pytest.approx(fit.CLIP_GRID[min(range(len(errs)), key=errs.__getitem__)])
+        assert res["k_rel_error"][g] <= res["k_rel_error_noclip"][g] + 1e-12
+
+
+def test_optr_never_makes_the_heldout_loss_worse(tiny):
+    col = _collect(tiny, _sequences(4, 48, seed=5), keep=4)
+    st = col.layers[1]
+    r_k, r_v = fit.oscar_rotations(st)
+    w_o = tiny.model.layers[1].self_attn.o_proj.weight.detach()
+    clip = torch.full((KV_HEADS,), 0.9)
+    res = optr.refine_layer(st.samples, r_k, r_v, st.key_mean, clip, clip, w_o, sink=4, recent=8, group=D,
+                            scale=D**-0.5, cfg=optr.OptRConfig(steps=15, lr=1e-2, max_queries=32), seed=0)
+    for which, r0 in (("k", r_k), ("v", r_v)):
+        r = res[f"{which}_rotation"]
+        assert rot.orthogonality_error(r).max() < 1e-10
+        for g in range(KV_HEADS):
+            if res[f"{which}_kept"][g]:
+                assert res[f"{which}_heldout_after"][g] < res[f"{which}_heldout_before"][g]
+            else:
+                assert torch.allclose(r[g], r0[g], atol=1e-6)  # reverted to R_0
+    again = optr.refine_layer(st.samples, r_k, r_v, st.key_mean, clip, clip, w_o, sink=4, recent=8, group=D,
+                              scale=D**-0.5, cfg=optr.OptRConfig(steps=15, lr=1e-2, max_queries=32), seed=0)
+    assert torch.equal(again["k_rotation"], res["k_rotation"]), "OptR must be deterministic under a seed"
+
+
+def test_output_factor_reproduces_the_projected_norm():
+    torch.manual_seed(0)
+    w_o = torch.randn(24, Q_HEADS * D)
+    factors = optr.output_factors(w_o, Q_HEADS)
+    x = torch.randn(7, D)
+    for h in range(Q_HEADS):
+        w_h = w_o[:, h * D:(h + 1) * D].T  # [d, hidden]
+        assert torch.allclose((x @ factors[h]).norm(), (x @ w_h).norm(), rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", cal.METHODS)
+def test_every_method_produces_a_valid_artifact(tiny, method, tmp_path):
+    cfg = cal.CalibrationConfig(method=method, sink=4, recent=8, keep_sequences=3,
+                                optr=optr.OptRConfig(steps=2, max_queries=16))
+    a, report = cal.calibrate(tiny.float(), _sequences(3, 32), cfg, {"spec": "random ids"}, progress=False)
+    tiny.double()
+    art.save(a, tmp_path)
+    loaded = art.load(tmp_path, expect=art.ModelFingerprint.from_config(tiny.config))
+    assert loaded.method == method and (loaded.sink, loaded.recent) == (4, 8)
+    centred = method in ("hadamard-center", "oscar-center", "optr")
+    assert bool((loaded.layers[0].k_mean != 0).any()) == centred
+    if method not in cal.DATA_FREE:
+        assert len(report) == 2 and loaded.calibration["tokens"] == 96
+        assert all(0 < c <= 1 for r in report for c in r["k_clip"])
