@@ -1,1 +1,11 @@
-"""Triton kernels for the INT2 KV cache, each beside a plain-torch reference."""
+"""Triton kernels for the INT2 KV cache, each beside a plain-torch reference.
+
+Entry points (dispatching on device) are in :mod:`oscar_sglang.kernels.api`;
+the pool tensors they take are named in :mod:`oscar_sglang.kernels.layout`.
+See docs/KERNELS.md.
+"""
+
+from .api import decode_attention, extend_attention, write_kv
+from .layout import LayerRotation, LayerStore, empty_store
+
+__all__ = ["LayerRotation", "LayerStore", "decode_attention", "empty_store", "extend_attention", "write_kv"]

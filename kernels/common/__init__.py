@@ -1,0 +1,1 @@
+"""Pieces shared by the ops: reading rotated rows from the store (torch) and Triton helpers."""

@@ -1,0 +1,116 @@
+"""Triton device functions shared by the kernels.
+
+Rows are handled in four *pieces*: piece ``p`` of a row holds its elements
+``4 i + p`` (``i < d / 4``), which are exactly the codes in bits ``2 p`` of
+byte ``i`` of the packed row.  Working piece-wise unpacks the INT2 bytes with
+shifts only (no reshapes, no repeated byte loads); dot products and outputs
+are summed / stored piece by piece, which is the same math in another order.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def bf16_rne(x):
+    """fp32 -> bf16 rounding to nearest-even (the interpreter's own cast truncates)."""
+    u = x.to(tl.int32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
+    return u.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def round_half_even(y):
+    """``torch.round`` semantics for fp32 (ties to even)."""
+    f = tl.floor(y)
+    r = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    up = (r > 0.5) | ((r == 0.5) & odd)
+    return tl.where(up, f + 1.0, f)
+
+
+@triton.jit
+def load_piece_scale(ptr, row, mask, D: tl.constexpr, G: tl.constexpr):
+    """fp16 scale (or zero) of the groups of piece columns, as fp32 ``[BLOCK_N, D // 4]`` or ``[BLOCK_N, 1]``."""
+    NG: tl.constexpr = D // G
+    if NG == 1:
+        s = tl.load(ptr + row, mask=mask, other=0.0).to(tl.float32)[:, None]
+    else:
+        grp = tl.arange(0, D // 4) // (G // 4)
+        s = tl.load(ptr + row[:, None] * NG + grp[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    return s
+
+
+@triton.jit
+def load_rows(codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, cold, hot,
+              D: tl.constexpr, G: tl.constexpr):
+    """Rotated rows as four fp32 pieces ``[BLOCK_N, D // 4]``: BF16 where ``hot``, INT2 where ``cold``.
+
+    ``row = slot * kv_heads + head`` and ``hot_row = entry * kv_heads + head`` (int64);
+    rows in neither mask read as 0.
+    """
+    i = tl.arange(0, D // 4)
+    byte = tl.load(codes_ptr + row[:, None] * (D // 4) + i[None, :], mask=cold[:, None], other=0).to(tl.int32)
+    scale = load_piece_scale(scale_ptr, row, cold, D, G)
+    zero = load_piece_scale(zero_ptr, row, cold, D, G)
+    hp = hot_ptr + hot_row[:, None] * D + 4 * i[None, :]
+    hm = hot[:, None]
+    h0 = tl.load(hp + 0, mask=hm, other=0.0).to(tl.float32)
+    h1 = tl.load(hp + 1, mask=hm, other=0.0).to(tl.float32)
+    h2 = tl.load(hp + 2, mask=hm, other=0.0).to(tl.float32)
+    h3 = tl.load(hp + 3, mask=hm, other=0.0).to(tl.float32)
+    x0 = tl.where(hm, h0, zero + (byte & 3).to(tl.float32) * scale)
+    x1 = tl.where(hm, h1, zero + ((byte >> 2) & 3).to(tl.float32) * scale)
+    x2 = tl.where(hm, h2, zero + ((byte >> 4) & 3).to(tl.float32) * scale)
+    x3 = tl.where(hm, h3, zero + ((byte >> 6) & 3).to(tl.float32) * scale)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def load_query_pieces(ptr, mask, D: tl.constexpr):
+    """Four pieces ``[ROWS, D // 4]`` of fp32 rows at ``ptr[ROWS]`` (row starts)."""
+    i = tl.arange(0, D // 4)
+    p = ptr[:, None] + 4 * i[None, :]
+    m = mask[:, None]
+    q0 = tl.load(p + 0, mask=m, other=0.0).to(tl.float32)
+    q1 = tl.load(p + 1, mask=m, other=0.0).to(tl.float32)
+    q2 = tl.load(p + 2, mask=m, other=0.0).to(tl.float32)
+    q3 = tl.load(p + 3, mask=m, other=0.0).to(tl.float32)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def store_pieces(ptr, mask, x0, x1, x2, x3, D: tl.constexpr):
+    """Store four pieces back as rows at ``ptr[ROWS]`` (row starts)."""
+    i = tl.arange(0, D // 4)
+    p = ptr[:, None] + 4 * i[None, :]
+    m = mask[:, None]
+    tl.store(p + 0, x0, mask=m)
+    tl.store(p + 1, x1, mask=m)
+    tl.store(p + 2, x2, mask=m)
+    tl.store(p + 3, x3, mask=m)
+
+
+@triton.jit
+def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale,
+                 m, l, a0, a1, a2, a3, PREC: tl.constexpr):
+    """One online-softmax step (base 2) over a key block; ``valid [ROWS, BLOCK_N]`` masks logits.
+
+    ``m`` starts at -inf and ``l`` at 0; a row with no valid key so far keeps
+    ``l = 0`` and a zero accumulator (no NaN).
+    """
+    s = tl.dot(q0, tl.trans(k0), input_precision=PREC)
+    s += tl.dot(q1, tl.trans(k1), input_precision=PREC)
+    s += tl.dot(q2, tl.trans(k2), input_precision=PREC)
+    s += tl.dot(q3, tl.trans(k3), input_precision=PREC)
+    s = tl.where(valid, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - base)
+    p = tl.exp2(s - base[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    a0 = a0 * alpha[:, None] + tl.dot(p, v0, input_precision=PREC)
+    a1 = a1 * alpha[:, None] + tl.dot(p, v1, input_precision=PREC)
+    a2 = a2 * alpha[:, None] + tl.dot(p, v2, input_precision=PREC)
+    a3 = a3 * alpha[:, None] + tl.dot(p, v3, input_precision=PREC)
+    return m_new, l, a0, a1, a2, a3

@@ -1,0 +1,178 @@
+"""Compile every kernel for a CUDA target on a machine without a GPU (catches GPU-only compile errors).
+
+    .venv/bin/python -m oscar_sglang.kernels.compile_check [--arch 90]
+
+The interpreter runs kernels as numpy and accepts things the compiler
+refuses; this goes through Triton's real pipeline down to a cubin (ptxas)
+for representative launches and prints registers and spills per kernel.
+The launches are recorded from the real wrappers on CPU tensors, so the
+signatures are exactly the ones used.  Must run without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+import torch
+
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: records the launch instead of running it."""
+
+    def __init__(self, fn, log):
+        self.fn, self.log = fn, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append((self.fn, args, kwargs))
+        return launch
+
+
+def _type(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+                      torch.int32: "i32", torch.int64: "i64"}[v.dtype]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i64" if abs(v) >= 2**31 else "i32"
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(v)}")
+
+
+@contextlib.contextmanager
+def _replaced(module, name, value):
+    real = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield real
+    finally:
+        setattr(module, name, real)
+
+
+def _record(module, name, run) -> list:
+    log: list = []
+    with _replaced(module, name, None) as real:
+        setattr(module, name, _Recorder(real, log))
+        run()
+    return log
+
+
+def _no_merge(mid_o, mid_lse):
+    """Stands in for the reduce after a recorded (not run) split kernel."""
+    return torch.zeros(mid_o.shape[0], mid_o.shape[1], mid_o.shape[3])
+
+
+def launches() -> list[tuple[str, object, tuple, dict]]:
+    """Representative launches of every kernel: (label, jit function, args, constexpr kwargs)."""
+    from . import layout, scenario
+    from .decode import bf16_baseline
+    from .decode import triton_kernel as dec
+    from .extend import triton_kernel as ext
+    from .write import triton_kernel as wr
+
+    out = []
+
+    def add(label, module, name, run, **override):
+        for fn, args, kwargs in _record(module, name, run):
+            out.append((label, fn, args, {**kwargs, **override}))
+
+    for d, g, gqa in ((128, 128, 4), (128, 32, 3), (64, 64, 8), (64, 32, 1)):
+        kv = 2
+        paged = scenario.paged_layout([5, 40], 16)
+        rot = scenario.random_rotation(kv, d)
+        store = layout.empty_store(paged.num_slots, kv, d, g, 8)
+        k, v = scenario.random_kv(4, kv, d)
+        q = torch.randn(2, kv * gqa, d)
+        tag = f"d={d} G={g} gqa={gqa}"
+        add(f"write {tag}", wr, "_write_kernel",
+            lambda: wr.write_kv(k, v, torch.arange(4), store, rot, torch.tensor([0, -1, 2, 3])))
+        with _replaced(dec, "merge_splits", _no_merge):
+            add(f"decode {tag}", dec, "_decode_split_kernel",
+                lambda: dec.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices,
+                                             paged.seq_lens, 0.1, num_splits=4))
+        qe = torch.randn(4, kv * gqa, d)
+        add(f"extend {tag}", ext, "_extend_kernel",
+            lambda: ext.extend_attention(qe, k, v, store, rot, paged.req_to_token, paged.req_pool_indices,
+                                         torch.tensor([3, 0]), torch.tensor([1, 3]), 0.1))
+        if g == d:
+            with _replaced(bf16_baseline, "merge_splits", _no_merge):
+                add(f"bf16 baseline {tag}", bf16_baseline, "_bf16_split_kernel",
+                    lambda: bf16_baseline.decode_attention_bf16(q.bfloat16(), k, v, paged.req_to_token,
+                                                                paged.req_pool_indices, paged.seq_lens, 0.1,
+                                                                num_splits=2),
+                    BF16_DOT=True)  # what runs on CUDA tensors
+    mid_o, mid_lse = torch.zeros(2, 8, 5, 128), torch.zeros(2, 8, 5)
+    add("reduce d=128 splits=5", dec, "_decode_reduce_kernel", lambda: dec.merge_splits(mid_o, mid_lse))
+    return out
+
+
+def compile_all(arch: int = 90, verbose: bool = True) -> list[dict]:
+    """Compile every recorded launch for ``sm_<arch>``; returns name, registers and spills per launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_check must run without TRITON_INTERPRET=1")
+    target = GPUTarget("cuda", arch, 32)
+    results = []
+    for label, fn, args, kwargs in launches():
+        names = fn.arg_names
+        options = {n: kwargs[n] for n in LAUNCH_OPTIONS if n in kwargs}
+        sig, consts = {}, {}
+        for n, a in zip(names, args):
+            sig[n] = _type(a)
+        for n, a in kwargs.items():
+            if n not in LAUNCH_OPTIONS:
+                sig[n] = "constexpr"
+                consts[n] = a
+        sig = {n: sig[n] for n in names}
+        kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
+        info = {"launch": label, "kernel": fn.__name__, "shared": kernel.metadata.shared,
+                **_resource_usage(kernel.asm["cubin"])}
+        results.append(info)
+        if verbose:
+            print(f"{label:30s} {fn.__name__:22s} " + " ".join(f"{k} {v}" for k, v in info.items()
+                                                               if k not in ("launch", "kernel")), flush=True)
+    return results
+
+
+def _resource_usage(cubin: bytes) -> dict:
+    """Registers, stack and local (spill) bytes from ``cuobjdump --dump-resource-usage`` (empty if unavailable)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                  timeout=60).stdout
+        except OSError:
+            return {}
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", text)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 (A100), 90 (H100/H200)")
+    a = p.parse_args(argv)
+    compile_all(a.arch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

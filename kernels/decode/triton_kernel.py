@@ -1,0 +1,138 @@
+"""Decode attention over the INT2/BF16 store: split-K (flash-decoding) partials, then a reduce.
+
+Stage 1, grid ``(batch, kv_heads, num_splits)``: a program reads its split of
+one request's tokens for one KV head once, for all the query heads of the
+group (padded to at least 16 rows for ``tl.dot``), and writes a normalised
+partial output and its log2-sum-exp.  Stage 2, grid ``(batch, q_heads)``,
+merges the splits.  The query is rotated before and the output de-rotated
+after, in torch (one small matmul each).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.rotate import derotate_output, rotate_queries
+from ..common.triton_helpers import attend_block, load_query_pieces, load_rows, store_pieces
+from ..layout import LayerRotation, LayerStore, require_contiguous
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+# fp32 dot operands: TF32 tensor cores on the GPU (about 1e-3 relative per
+# product, below bf16's 4e-3); the interpreter computes them in fp32.
+DOT_PRECISION = "tf32"
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_hot, v_hot, hot_index,
+                         req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+                         stride_qb, stride_qh, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
+                         GQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         D: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    req = tl.load(req_pool_indices + b).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < GQ
+    qh = kvh * GQ + h
+    q0, q1, q2, q3 = load_query_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)
+    a1 = tl.zeros([BLOCK_H, D // 4], tl.float32)
+    a2 = tl.zeros([BLOCK_H, D // 4], tl.float32)
+    a3 = tl.zeros([BLOCK_H, D // 4], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        tmask = t < end
+        slot = tl.load(req_to_token + req * stride_r2t + t, mask=tmask, other=0).to(tl.int64)
+        entry = tl.load(hot_index + slot, mask=tmask, other=-1).to(tl.int64)
+        cold = tmask & (entry < 0)
+        hot = tmask & (entry >= 0)
+        row = slot * KV + kvh
+        hot_row = entry * KV + kvh
+        k0, k1, k2, k3 = load_rows(k_codes, k_scale, k_zero, k_hot, row, hot_row, cold, hot, D, G)
+        v0, v1, v2, v3 = load_rows(v_codes, v_scale, v_zero, v_hot, row, hot_row, cold, hot, D, G)
+        m, l, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
+                                            tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
+    inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
+    lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+    part = (b * Q_HEADS + qh).to(tl.int64) * NUM_SPLITS + sp
+    store_pieces(mid_o + part * D, hmask, a0 * inv_l, a1 * inv_l, a2 * inv_l, a3 * inv_l, D)
+    tl.store(mid_lse + part, lse, mask=hmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(mid_o, mid_lse, out, NUM_SPLITS, S_PAD: tl.constexpr, D: tl.constexpr):
+    """Merge the splits of one (request, query head): weights ``2^(lse_s - max)``; all-empty gives 0."""
+    pid = tl.program_id(0).to(tl.int64)  # b * q_heads + h
+    s = tl.arange(0, S_PAD)
+    smask = s < NUM_SPLITS
+    lse = tl.load(mid_lse + pid * NUM_SPLITS + s, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)
+    d = tl.arange(0, D)
+    o = tl.load(mid_o + (pid * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    den = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
+    tl.store(out + pid * D + d, res)
+
+
+@functools.lru_cache(maxsize=8)
+def _processors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_splits(batch: int, kv_heads: int, device: torch.device, max_seq_len: int | None = None,
+                  block_n: int = 32) -> int:
+    """Splits per request so that about 2 programs run per streaming multiprocessor (no host sync)."""
+    s = triton.cdiv(2 * _processors(device), max(1, batch * kv_heads))
+    if max_seq_len is not None:
+        s = min(s, triton.cdiv(max(1, max_seq_len), 2 * block_n))
+    return max(1, min(MAX_SPLITS, s))
+
+
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor) -> torch.Tensor:
+    """Stage 2: ``mid_o [B, H, S, D]``, ``mid_lse [B, H, S]`` (log2) -> ``[B, H, D]`` fp32."""
+    b, h, s, d = mid_o.shape
+    out = torch.empty(b, h, d, dtype=torch.float32, device=mid_o.device)
+    _decode_reduce_kernel[(b * h,)](mid_o, mid_lse, out, s, S_PAD=triton.next_power_of_2(s), D=d)
+    return out
+
+
+def decode_attention(q: torch.Tensor, store: LayerStore, rot: LayerRotation, req_to_token: torch.Tensor,
+                     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                     num_splits: int | None = None, max_seq_len: int | None = None,
+                     block_n: int = 32, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`."""
+    bsz, q_heads, d = q.shape
+    kv, g = store.kv_heads, store.group_size
+    gq = q_heads // kv
+    assert d >= 64 and d & (d - 1) == 0, f"the Triton kernels need a power-of-two head_dim >= 64, got {d}"
+    assert req_to_token.stride(1) == 1, "req_to_token rows must be contiguous"
+    if bsz == 0:
+        return torch.zeros_like(q)
+    require_contiguous(store, rot)
+    splits = num_splits or choose_splits(bsz, kv, q.device, max_seq_len, block_n)
+    qr = rotate_queries(q, rot.k_rot).contiguous()
+    mid_o = torch.empty(bsz, q_heads, splits, d, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(bsz, q_heads, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(bsz, kv, splits)](
+        qr, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
+        store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        qr.stride(0), qr.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
+        GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d, G=g, PREC=DOT_PRECISION,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return derotate_output(merge_splits(mid_o, mid_lse), rot.v_rot).to(q.dtype)

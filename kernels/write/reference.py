@@ -1,0 +1,35 @@
+"""Write path in plain torch: rotate, clip, quantize, scatter to slots, copy hot rows."""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_sglang import format as fmt
+from oscar_sglang.rotation import rotate_kv
+
+from ..layout import LayerRotation, LayerStore
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: LayerRotation,
+             hot_loc: torch.Tensor | None = None) -> None:
+    """Store new tokens ``k, v [n, kv_heads, d]`` at ``slots [n]`` (in place).
+
+    ``hot_loc [n]``: hot entry of each token or -1; where >= 0 the rotated,
+    unclipped rows are also written to ``k_hot``/``v_hot`` as BF16.  The
+    caller (the pool) keeps ``hot_index`` in step.
+    """
+    g = store.group_size
+    slots = slots.long()
+    k_rot = rotate_kv(k, rot.k_rot, rot.k_mean)
+    v_rot = rotate_kv(v, rot.v_rot)
+    for x, clip, codes, scale, zero in ((k_rot, rot.k_clip, store.k_codes, store.k_scale, store.k_zero),
+                                        (v_rot, rot.v_clip, store.v_codes, store.v_scale, store.v_zero)):
+        q = fmt.quantize(x, g, clip.unsqueeze(-1))
+        codes[slots] = q.codes
+        scale[slots] = q.scale
+        zero[slots] = q.zero
+    if hot_loc is not None:
+        hot = hot_loc >= 0
+        entry = hot_loc[hot].long()
+        store.k_hot[entry] = k_rot[hot].to(torch.bfloat16)
+        store.v_hot[entry] = v_rot[hot].to(torch.bfloat16)

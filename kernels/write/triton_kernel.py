@@ -1,0 +1,158 @@
+"""Write kernel: rotate, clip, quantize and scatter new K/V rows in one launch per layer.
+
+Grid ``(cdiv(n, BLOCK_T), kv_heads)``; a program takes ``BLOCK_T`` tokens of
+one KV head, computes ``x' = (x - mu) R`` piece by piece with fp32 (IEEE)
+dots over ``KC`` input channels at a time (small operands, no register
+spills), and writes codes, fp16 scale/zero and, for tokens with a hot entry,
+the BF16 rotated rows.  Nothing intermediate touches global memory.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.triton_helpers import bf16_rne, round_half_even
+from ..layout import LayerRotation, LayerStore, require_contiguous
+
+
+@triton.jit
+def _rotate(x_ptr, mean_ptr, rot_ptr, tmask, HAS_MEAN: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+            KC: tl.constexpr):
+    """Pieces of ``(x - mean) @ R`` for rows at ``x_ptr[BLOCK_T]`` (fp32, IEEE dots, ``KC`` input columns at a time)."""
+    i = tl.arange(0, D // 4)
+    c = tl.arange(0, KC)
+    x0 = tl.zeros([BLOCK_T, D // 4], tl.float32)
+    x1 = tl.zeros([BLOCK_T, D // 4], tl.float32)
+    x2 = tl.zeros([BLOCK_T, D // 4], tl.float32)
+    x3 = tl.zeros([BLOCK_T, D // 4], tl.float32)
+    for k0 in tl.static_range(0, D, KC):
+        x = tl.load(x_ptr[:, None] + k0 + c[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        if HAS_MEAN:
+            x = x - tl.load(mean_ptr + k0 + c)[None, :]
+        r = rot_ptr + (k0 + c)[:, None] * D + 4 * i[None, :]
+        x0 += tl.dot(x, tl.load(r + 0), input_precision="ieee")
+        x1 += tl.dot(x, tl.load(r + 1), input_precision="ieee")
+        x2 += tl.dot(x, tl.load(r + 2), input_precision="ieee")
+        x3 += tl.dot(x, tl.load(r + 3), input_precision="ieee")
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _codes(x, a, b, z, inv):
+    """Codes of the format for clip bounds ``[a, b]``, fp16 zero ``z`` and ``inv = 1 / scale`` (0 if scale is 0)."""
+    xc = tl.minimum(tl.maximum(x, a), b)
+    c = round_half_even((xc - z) * inv)
+    return tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
+
+
+@triton.jit
+def _masked_min(x, in_g):
+    return tl.min(tl.where(in_g, x, float("inf")), 1)
+
+
+@triton.jit
+def _masked_max(x, in_g):
+    return tl.max(tl.where(in_g, x, float("-inf")), 1)
+
+
+@triton.jit
+def _quantize_store(x0, x1, x2, x3, clip, codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, tmask, hmask,
+                    HAS_HOT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """Store rotated rows (four pieces ``[BLOCK_T, D // 4]``) in the format at ``row``, BF16 copies at ``hot_row``."""
+    NG: tl.constexpr = D // G
+    i = tl.arange(0, D // 4)
+    if HAS_HOT:
+        hp = hot_ptr + hot_row[:, None] * D + 4 * i[None, :]
+        hm = hmask[:, None]
+        tl.store(hp + 0, bf16_rne(x0), mask=hm)
+        tl.store(hp + 1, bf16_rne(x1), mask=hm)
+        tl.store(hp + 2, bf16_rne(x2), mask=hm)
+        tl.store(hp + 3, bf16_rne(x3), mask=hm)
+    grp = i // (G // 4)
+    a_col = tl.zeros_like(x0)
+    b_col = tl.zeros_like(x0)
+    z_col = tl.zeros_like(x0)
+    inv_col = tl.zeros_like(x0)
+    for gi in tl.static_range(NG):
+        in_g = (grp == gi)[None, :]
+        lo = tl.minimum(tl.minimum(_masked_min(x0, in_g), _masked_min(x1, in_g)),
+                        tl.minimum(_masked_min(x2, in_g), _masked_min(x3, in_g)))
+        hi = tl.maximum(tl.maximum(_masked_max(x0, in_g), _masked_max(x1, in_g)),
+                        tl.maximum(_masked_max(x2, in_g), _masked_max(x3, in_g)))
+        # Clip about the midpoint, exactly as oscar_sglang.format.clip_groups.
+        mid = (hi + lo) * 0.5
+        half = (hi - lo) * 0.5 * clip
+        a = mid - half
+        b = mid + half
+        lo = tl.minimum(tl.maximum(lo, a), b)
+        hi = tl.minimum(tl.maximum(hi, a), b)
+        z16 = lo.to(tl.float16)
+        zf = z16.to(tl.float32)
+        s16 = tl.maximum(tl.math.div_rn(hi - zf, 3.0), 0.0).to(tl.float16)
+        sf = s16.to(tl.float32)
+        inv = tl.where(sf > 0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), tl.where(sf > 0, sf, 1.0)), 0.0)
+        tl.store(scale_ptr + row * NG + gi, s16, mask=tmask)
+        tl.store(zero_ptr + row * NG + gi, z16, mask=tmask)
+        a_col = tl.where(in_g, a[:, None], a_col)
+        b_col = tl.where(in_g, b[:, None], b_col)
+        z_col = tl.where(in_g, zf[:, None], z_col)
+        inv_col = tl.where(in_g, inv[:, None], inv_col)
+    byte = _codes(x0, a_col, b_col, z_col, inv_col)
+    byte |= _codes(x1, a_col, b_col, z_col, inv_col) << 2
+    byte |= _codes(x2, a_col, b_col, z_col, inv_col) << 4
+    byte |= _codes(x3, a_col, b_col, z_col, inv_col) << 6
+    tl.store(codes_ptr + row[:, None] * (D // 4) + i[None, :], byte.to(tl.uint8), mask=tmask[:, None])
+
+
+@triton.jit
+def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
+                  k_rot, v_rot, k_mean, k_clip, v_clip,
+                  k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_hot, v_hot,
+                  n, KV, stride_kt, stride_kh, stride_vt, stride_vh,
+                  HAS_HOT: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                  KC: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < n
+    slot = tl.load(slot_ptr + t, mask=tmask, other=0).to(tl.int64)
+    if HAS_HOT:
+        entry = tl.load(hot_loc_ptr + t, mask=tmask, other=-1).to(tl.int64)
+    else:
+        entry = tl.full([BLOCK_T], -1, tl.int64)
+    hmask = tmask & (entry >= 0)
+    row = slot * KV + h
+    hot_row = entry * KV + h
+    t64 = t.to(tl.int64)
+    x0, x1, x2, x3 = _rotate(k_ptr + t64 * stride_kt + h * stride_kh, k_mean + h * D, k_rot + h * D * D, tmask,
+                             True, BLOCK_T, D, KC)
+    _quantize_store(x0, x1, x2, x3, tl.load(k_clip + h), k_codes, k_scale, k_zero, k_hot,
+                    row, hot_row, tmask, hmask, HAS_HOT, D, G)
+    x0, x1, x2, x3 = _rotate(v_ptr + t64 * stride_vt + h * stride_vh, k_mean, v_rot + h * D * D, tmask,
+                             False, BLOCK_T, D, KC)
+    _quantize_store(x0, x1, x2, x3, tl.load(v_clip + h), v_codes, v_scale, v_zero, v_hot,
+                    row, hot_row, tmask, hmask, HAS_HOT, D, G)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: LayerRotation,
+             hot_loc: torch.Tensor | None = None, block_t: int = 16, num_warps: int = 4) -> None:
+    """Triton version of :func:`oscar_sglang.kernels.write.reference.write_kv` (same arguments)."""
+    n = k.shape[0]
+    kv, d, g = store.kv_heads, store.head_dim, store.group_size
+    if n == 0:
+        return
+    require_contiguous(store, rot)
+    k = k.reshape(n, kv, d)
+    v = v.reshape(n, kv, d)
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "k and v rows must be contiguous"
+    assert d >= 64 and d & (d - 1) == 0, f"the Triton kernels need a power-of-two head_dim >= 64, got {d}"
+    assert g >= 4 and g & (g - 1) == 0, f"the write kernel needs a power-of-two group size, got {g}"
+    assert block_t >= 16, "tl.dot needs at least 16 rows"
+    _write_kernel[(triton.cdiv(n, block_t), kv)](
+        k, v, slots, hot_loc if hot_loc is not None else slots,
+        rot.k_rot, rot.v_rot, rot.k_mean, rot.k_clip, rot.v_clip,
+        store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
+        store.k_hot, store.v_hot,
+        n, kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        HAS_HOT=hot_loc is not None, BLOCK_T=block_t, D=d, G=g, KC=32, num_warps=num_warps,
+    )

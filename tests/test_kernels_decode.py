@@ -1,0 +1,140 @@
+"""Decode kernel (Triton, under the interpreter on CPU) against the plain-torch reference.
+
+Tolerance: |o - o_ref| <= 1e-4 + 1e-4 |o_ref| with fp32 queries on CPU (1e-2 on a GPU: TF32 dots) (the
+interpreter computes every dot in fp32; the reference dequantizes and runs
+plain attention).  bf16 queries/outputs: within bf16 rounding (2^-7 relative).
+"""
+
+import itertools
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+
+import pytest  # noqa: E402
+
+from oscar_sglang.kernels import api, interpret, layout, scenario  # noqa: E402
+from oscar_sglang.kernels.decode import reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    interpret.enable()
+
+KV = 2
+ATOL = RTOL = 1e-4 if DEVICE == "cpu" else 1e-2  # the GPU's dots are TF32
+
+
+def build(lens, d, group, page, hot, seed, sink=2, recent=4):
+    """A store holding every request's tokens, written by the reference, with sink/recent hot entries."""
+    paged = scenario.paged_layout(lens, page, seed, device=DEVICE)
+    rot = scenario.random_rotation(KV, d, seed, device=DEVICE)
+    store = layout.empty_store(paged.num_slots, KV, d, group, sum(lens), DEVICE)
+    all_slots = torch.cat([paged.slots(b) for b in range(len(lens))])
+    k, v = scenario.random_kv(len(all_slots), KV, d, seed, DEVICE)
+    if hot:
+        hot_index = scenario.assign_hot(store, paged, sink, recent)
+        hot_loc = hot_index[all_slots]
+    else:
+        hot_loc = None
+    api.write_kv(k, v, all_slots, store, rot, hot_loc, backend="torch")
+    return paged, rot, store
+
+
+LENS = [1, 2, 15, 17, 37, 50]  # 1, 2, page-1, page+1, odd, and across splits of BLOCK_N=16
+# Full product of d, GQA ratio, page size and hot entries; group size and split count rotate through
+# their values (group d, 64 or 32; 1 to 5 splits) so each appears with both head sizes.
+CASES = [(d, gqa, page, hot, (d, 64, 32)[i % 3], 1 + i % 5)
+         for i, (d, gqa, page, hot) in enumerate(itertools.product((64, 128), (1, 3, 8), (1, 16), (True, False)))]
+
+
+@pytest.mark.parametrize("d,gqa,page,hot,group,splits", CASES)
+def test_decode_kernel_matches_reference(d, gqa, page, hot, group, splits):
+    seed = d + 10 * gqa + page
+    paged, rot, store = build(LENS, d, group, page, hot, seed)
+    q = torch.randn(len(LENS), KV * gqa, d, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+    ref = reference.decode_attention(*args, d**-0.5)
+    out = api.decode_attention(*args, backend="triton", num_splits=splits, block_n=16)
+    assert not torch.isnan(out).any()
+    assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (out - ref).abs().max()
+
+
+def test_decode_split_count_does_not_change_the_result():
+    paged, rot, store = build([3, 70], 64, 64, 16, True, 7)
+    q = torch.randn(2, KV * 4, 64, device=DEVICE)
+    args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+    outs = [api.decode_attention(*args, backend="triton", num_splits=s, block_n=16) for s in (1, 2, 7)]
+    outs.append(api.decode_attention(*args, backend="triton"))  # automatic split count, block_n 64
+    for o in outs[1:]:
+        assert torch.allclose(o, outs[0], atol=ATOL, rtol=RTOL)
+
+
+def test_decode_bf16_query_and_empty_request():
+    paged, rot, store = build([0, 9, 33], 64, 64, 1, True, 8)
+    q = torch.randn(3, KV * 3, 64, device=DEVICE).bfloat16()
+    args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+    out = api.decode_attention(*args, backend="triton", num_splits=2, block_n=16)
+    ref = reference.decode_attention(*args, 64**-0.5)
+    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no tokens: zero output, no NaN
+    assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
+
+
+def test_reference_with_every_token_hot_is_plain_attention():
+    # The rotation conventions end to end: with every row hot (bf16, unquantized),
+    # rotated + centred attention and de-rotation give plain attention.
+    lens, d, gqa = [5, 12], 64, 2
+    paged = scenario.paged_layout(lens, 4, 3)
+    rot = scenario.random_rotation(KV, d, 3)
+    store = layout.empty_store(paged.num_slots, KV, d, None, sum(lens))
+    slots = torch.cat([paged.slots(b) for b in range(2)])
+    k, v = scenario.random_kv(len(slots), KV, d, 3, dtype=torch.float32)
+    api.write_kv(k, v, slots, store, rot, scenario.assign_hot(store, paged, 100, 0)[slots])
+    q = torch.randn(2, KV * gqa, d)
+    out = api.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+    first = 0
+    for b, n in enumerate(lens):
+        kb = k[first:first + n].repeat_interleave(gqa, 1)
+        vb = v[first:first + n].repeat_interleave(gqa, 1)
+        first += n
+        p = (torch.einsum("hd,thd->ht", q[b], kb) * d**-0.5).softmax(-1)
+        want = torch.einsum("ht,thd->hd", p, vb)
+        assert torch.allclose(out[b], want, atol=0.03, rtol=0.02)  # bf16 hot rows
+
+
+def test_bf16_baseline_kernel_is_plain_attention():
+    from oscar_sglang.kernels.decode.bf16_baseline import decode_attention_bf16
+
+    lens, d, gqa = [1, 19, 40], 128, 4
+    paged = scenario.paged_layout(lens, 16, 4, device=DEVICE)
+    kb, vb = scenario.random_kv(paged.num_slots, KV, d, 4, DEVICE)
+    q = torch.randn(3, KV * gqa, d, device=DEVICE)
+    out = decode_attention_bf16(q, kb, vb, paged.req_to_token, paged.req_pool_indices, paged.seq_lens, d**-0.5,
+                                num_splits=3, block_n=16)
+    for b in range(3):
+        s = paged.slots(b)
+        p = (torch.einsum("hd,thd->ht", q[b], kb[s].float().repeat_interleave(gqa, 1)) * d**-0.5).softmax(-1)
+        want = torch.einsum("ht,thd->hd", p, vb[s].float().repeat_interleave(gqa, 1))
+        assert torch.allclose(out[b], want, atol=ATOL, rtol=RTOL)
+
+
+def test_choose_splits_fills_the_device_without_a_host_sync():
+    from oscar_sglang.kernels.decode.triton_kernel import MAX_SPLITS, choose_splits
+
+    cpu = torch.device("cpu")
+    assert choose_splits(1, 1, cpu) >= 2
+    assert choose_splits(64, 8, cpu) == 1
+    assert choose_splits(1, 1, cpu, max_seq_len=10) == 1
+    assert 1 <= choose_splits(1, 1, cpu) <= MAX_SPLITS
+
+
+def test_grouped_rotation_glue_equals_the_rotation_module():
+    from oscar_sglang import rotation
+    from oscar_sglang.kernels.common import rotate
+
+    rot = scenario.random_rotation(KV, 64, 9)
+    q = torch.randn(3, KV * 3, 64)
+    assert torch.allclose(rotate.rotate_queries(q, rot.k_rot), rotation.rotate_queries(q, rot.k_rot), atol=1e-5)
+    assert torch.allclose(rotate.derotate_output(q, rot.v_rot), rotation.derotate_output(q, rot.v_rot), atol=1e-5)

@@ -1,0 +1,117 @@
+"""Extend kernel (Triton, under the interpreter on CPU) against the plain-torch reference.
+
+Tolerance: |o - o_ref| <= 1e-4 + 1e-4 |o_ref| with fp32 inputs on CPU (1e-2 on a GPU: TF32 dots) (fp32 dots in
+the interpreter).  The reference itself is checked against plain causal
+attention (no prefix: everything exact) and against decode.
+"""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+
+import pytest  # noqa: E402
+
+from oscar_sglang.kernels import api, interpret, layout, scenario  # noqa: E402
+from oscar_sglang.kernels.extend import reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    interpret.enable()
+
+KV = 2
+ATOL = RTOL = 1e-4 if DEVICE == "cpu" else 1e-2  # the GPU's dots are TF32
+
+
+def build(prefix, extend, d, group, page, hot, seed, sink=2, recent=4):
+    """Prefixes already in the store (sink/recent hot), plus the new tokens' q, k, v."""
+    lens = [p + e for p, e in zip(prefix, extend)]
+    paged = scenario.paged_layout(lens, page, seed, device=DEVICE)
+    rot = scenario.random_rotation(KV, d, seed, device=DEVICE)
+    store = layout.empty_store(paged.num_slots, KV, d, group, sum(lens), DEVICE)
+    slots = torch.cat([paged.slots(b)[:p] for b, p in enumerate(prefix)])
+    k, v = scenario.random_kv(len(slots), KV, d, seed, DEVICE)
+    hot_loc = scenario.assign_hot(store, paged, sink, recent)[slots] if hot else None
+    api.write_kv(k, v, slots, store, rot, hot_loc, backend="torch")
+    return paged, rot, store
+
+
+def new_tokens(n, q_heads, d, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, q_heads, d, generator=g)
+    k, v = scenario.random_kv(n, KV, d, seed + 1, dtype=dtype)
+    return q.to(DEVICE, dtype), k.to(DEVICE), v.to(DEVICE)
+
+
+PREFIX = [0, 1, 15, 17, 33]
+EXTEND = [17, 2, 1, 16, 5]  # across BLOCK_M (16 rows / padded group) and BLOCK_N=16
+# Full product of d, GQA ratio, page size and hot entries; group size rotates through d, 64, 32.
+CASES = [(d, gqa, page, hot, (d, 64, 32)[i % 3])
+         for i, (d, gqa, page, hot) in enumerate(itertools.product((64, 128), (1, 3, 8), (1, 16), (True, False)))]
+
+
+@pytest.mark.parametrize("d,gqa,page,hot,group", CASES)
+def test_extend_kernel_matches_reference(d, gqa, page, hot, group):
+    seed = d + gqa + page
+    paged, rot, store = build(PREFIX, EXTEND, d, group, page, hot, seed)
+    q, k, v = new_tokens(sum(EXTEND), KV * gqa, d, seed)
+    pre, ext = torch.tensor(PREFIX, device=DEVICE), torch.tensor(EXTEND, device=DEVICE)
+    args = (q, k, v, store, rot, paged.req_to_token, paged.req_pool_indices, pre, ext)
+    ref = reference.extend_attention(*args, d**-0.5)
+    out = api.extend_attention(*args, backend="triton", block_rows=16, block_n=16)
+    assert not torch.isnan(out).any()
+    assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (out - ref).abs().max()
+
+
+def test_extend_with_default_blocks_and_bf16_inputs():
+    prefix, extend, d = [70, 0], [3, 40], 128
+    paged, rot, store = build(prefix, extend, d, d, 16, True, 11)
+    q, k, v = new_tokens(sum(extend), KV * 4, d, 11, torch.bfloat16)
+    pre, ext = torch.tensor(prefix, device=DEVICE), torch.tensor(extend, device=DEVICE)
+    args = (q, k, v, store, rot, paged.req_to_token, paged.req_pool_indices, pre, ext)
+    out = api.extend_attention(*args, backend="triton", max_extend_len=40)
+    ref = reference.extend_attention(*args, d**-0.5)
+    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
+
+
+def test_reference_without_prefix_is_plain_causal_attention():
+    n, d, gqa = 9, 64, 3
+    rot = scenario.random_rotation(KV, d, 5)
+    store = layout.empty_store(4, KV, d)
+    q, k, v = new_tokens(n, KV * gqa, d, 5)
+    out = api.extend_attention(q, k, v, store, rot, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0]),
+                               torch.tensor([0]), torch.tensor([n]))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.float().repeat_interleave(gqa, 1).transpose(0, 1),
+        v.float().repeat_interleave(gqa, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+    assert torch.allclose(out, want, atol=1e-5, rtol=1e-4)
+
+
+def test_extend_of_one_token_agrees_with_decode_after_writing_it():
+    # The new token read exactly (extend) or from its hot BF16 copy (decode): equal to bf16 rounding.
+    prefix, d, gqa = [20, 7], 64, 2
+    paged, rot, store = build(prefix, [1, 1], d, d, 1, True, 6, sink=2, recent=3)
+    q, k, v = new_tokens(2, KV * gqa, d, 6)
+    pre, ext = torch.tensor(prefix, device=DEVICE), torch.tensor([1, 1], device=DEVICE)
+    ext_out = api.extend_attention(q, k, v, store, rot, paged.req_to_token, paged.req_pool_indices, pre, ext)
+    new_slots = torch.stack([paged.slots(b)[-1] for b in range(2)])
+    api.write_kv(k, v, new_slots, store, rot, store.hot_index[new_slots])
+    dec = api.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices, pre + 1)
+    assert torch.allclose(ext_out, dec, atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_dispatch_never_imports_triton():
+    code = ("import sys, torch; from oscar_sglang.kernels import api, scenario, layout;"
+            "r = scenario.random_rotation(1, 64); s = layout.empty_store(4, 1, 64);"
+            "k, v = scenario.random_kv(2, 1, 64); api.write_kv(k, v, torch.tensor([1, 2]), s, r);"
+            "print('triton' in sys.modules)")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "False"

@@ -1,0 +1,194 @@
+"""Write kernel (Triton, under the interpreter on CPU) against the plain-torch reference.
+
+Tolerance: with identity rotations the kernel's codes, scales, zeros and hot
+rows are byte-identical to the reference.  With random rotations the fp32
+matmul may sum in another order, so a value sitting exactly on a rounding
+boundary may land on the other side: we allow at most 0.1% of codes to
+differ (by one level), scales/zeros within one fp16 ulp, hot rows within one
+bf16 ulp (observed: identical).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+
+import pytest  # noqa: E402
+
+from oscar_sglang import format as fmt  # noqa: E402
+from oscar_sglang.kernels import api, interpret, layout, scenario  # noqa: E402
+from oscar_sglang.kernels.write import reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    interpret.enable()
+
+KV = 2
+MAX_CODE_MISMATCH = 1e-3
+
+
+def _store(d, g, hot_entries, seed, num_slots=96):
+    """A store pre-filled with garbage, to catch writes to the wrong place."""
+    s = layout.empty_store(num_slots, KV, d, g, hot_entries, DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    for t in (s.k_codes, s.v_codes):
+        t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+    for t in (s.k_scale, s.k_zero, s.v_scale, s.v_zero, s.k_hot, s.v_hot):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    return s
+
+
+def _rotation(d, seed, identity):
+    """Random state with a key mean on a 1/8 grid, so that mean + 0.75 is exact in bf16."""
+    r = scenario.random_rotation(KV, d, seed, identity, DEVICE)
+    return layout.LayerRotation(r.k_rot, r.v_rot, (r.k_mean * 8).round() / 8, r.k_clip, r.v_clip)
+
+
+def _inputs(n, d, rot, identity, seed):
+    k, v = scenario.random_kv(n, KV, d, seed, DEVICE)
+    # Constant rows: k = mu centres to an all-zero row; v = 0 stays 0 under any rotation.
+    k[0] = rot.k_mean.to(k.dtype)
+    v[0] = 0
+    if identity and n > 2:
+        k[1] = (rot.k_mean + 0.75).to(k.dtype)  # constant non-zero after centring
+        v[1] = -1.25
+    return k, v
+
+
+def _compare(a, b, exact):
+    for name in ("k_codes", "v_codes"):
+        ca, cb = fmt.unpack(getattr(a, name)), fmt.unpack(getattr(b, name))
+        if exact:
+            assert torch.equal(ca, cb), name
+        else:
+            diff = ca.int() - cb.int()
+            assert diff.abs().max() <= 1, name
+            assert (diff != 0).float().mean() <= MAX_CODE_MISMATCH, name
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero", "k_hot", "v_hot"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert not torch.isnan(y).any(), name
+        if exact:
+            assert torch.equal(x, y), name
+        else:
+            ulp = 2.0**-10 if x.dtype == torch.float16 else 2.0**-7
+            assert torch.allclose(x.float(), y.float(), rtol=ulp, atol=1e-6), name
+
+
+CASES = [  # d, group, identity, hot, n: every d/group pair, both rotations, hot on and off, n across BLOCK_T=16
+    (64, 64, True, True, 1),
+    (64, 64, False, False, 17),
+    (64, 32, True, False, 33),
+    (64, 32, False, True, 16),
+    (128, 128, True, False, 2),
+    (128, 128, False, True, 31),
+    (128, 64, True, True, 17),
+    (128, 64, False, False, 5),
+    (128, 32, True, True, 40),
+    (128, 32, False, True, 15),
+]
+
+
+@pytest.mark.parametrize("d,group,identity,hot,n", CASES)
+def test_write_kernel_matches_reference(d, group, identity, hot, n):
+    seed = d + group + n
+    rot = _rotation(d, seed, identity)
+    k, v = _inputs(n, d, rot, identity, seed)
+    slots = torch.randperm(96, generator=torch.Generator().manual_seed(seed))[:n].to(DEVICE)
+    hot_loc = None
+    if hot:
+        hot_loc = torch.where(torch.arange(n) % 3 == 1, -1, torch.randperm(n)).to(DEVICE)
+    ref = _store(d, group, n, seed)
+    out = ref.clone()
+    reference.write_kv(k, v, slots, ref, rot, hot_loc)
+    api.write_kv(k, v, slots, out, rot, hot_loc, backend="triton")
+    _compare(ref, out, exact=identity)
+
+
+def test_constant_rows_quantize_to_zero_codes_and_exact_zero():
+    d = 64
+    rot = _rotation(d, 1, identity=True)
+    k, v = _inputs(4, d, rot, True, 1)
+    s = _store(d, d, 4, 1)
+    api.write_kv(k, v, torch.arange(4, device=DEVICE), s, rot, backend="triton")
+    for codes, scale, zero, want in ((s.k_codes, s.k_scale, s.k_zero, (0.0, 0.75)),
+                                     (s.v_codes, s.v_scale, s.v_zero, (0.0, -1.25))):
+        assert torch.all(codes[:2] == 0) and torch.all(scale[:2] == 0)
+        assert zero[0].float().eq(want[0]).all() and zero[1].float().eq(want[1]).all()
+
+
+def test_write_reads_strided_inputs():
+    # SGLang hands k and v as views into a fused qkv projection output.
+    d, n, q_heads = 64, 20, 4
+    rot = scenario.random_rotation(KV, d, 5, device=DEVICE)
+    qkv = torch.randn(n, (q_heads + 2 * KV) * d, device=DEVICE).bfloat16()
+    k = qkv[:, q_heads * d:(q_heads + KV) * d].view(n, KV, d)
+    v = qkv[:, (q_heads + KV) * d:].view(n, KV, d)
+    slots = torch.arange(3, 3 + n, device=DEVICE)
+    ref, out = _store(d, d, 0, 5), _store(d, d, 0, 5)
+    reference.write_kv(k.contiguous(), v.contiguous(), slots, ref, rot)
+    api.write_kv(k, v, slots, out, rot, backend="triton")
+    _compare(ref, out, exact=False)
+
+
+def test_auto_backend_on_cpu_is_the_reference():
+    d = 64
+    rot = scenario.random_rotation(KV, d, 2)
+    k, v = scenario.random_kv(3, KV, d, 2)
+    s1 = layout.empty_store(8, KV, d)
+    s2 = layout.empty_store(8, KV, d)
+    api.write_kv(k, v, torch.tensor([1, 4, 6]), s1, rot)
+    reference.write_kv(k, v, torch.tensor([1, 4, 6]), s2, rot)
+    _compare(s1, s2, exact=True)
+    with pytest.raises(ValueError, match="backend"):
+        api.write_kv(k, v, torch.tensor([1, 4, 6]), s1, rot, backend="cuda")
+
+
+def test_written_rows_dequantize_to_the_rotated_inputs():
+    # End to end through the format: the INT2 error is bounded by half a step, hot rows by bf16 rounding.
+    d, n = 128, 24
+    rot = scenario.random_rotation(KV, d, 3, device=DEVICE)
+    rot = layout.LayerRotation(rot.k_rot, rot.v_rot, rot.k_mean, torch.ones(KV, device=DEVICE),
+                               torch.ones(KV, device=DEVICE))
+    k, v = scenario.random_kv(n, KV, d, 3, DEVICE)
+    s = layout.empty_store(n, KV, d, 32, n, DEVICE)
+    api.write_kv(k, v, torch.arange(n, device=DEVICE), s, rot, torch.arange(n, device=DEVICE), backend="triton")
+    from oscar_sglang.rotation import rotate_kv
+
+    kr = rotate_kv(k, rot.k_rot, rot.k_mean)
+    kq = fmt.dequantize(fmt.Int2Rows(s.k_codes, s.k_scale, s.k_zero))
+    step = s.k_scale.float().repeat_interleave(32, -1)
+    assert ((kq - kr).abs() <= step / 2 + 1e-2 * step + 1e-3).all()
+    assert torch.allclose(s.k_hot.float(), kr, rtol=2**-8, atol=1e-6)
+
+
+def test_ties_round_half_to_even_like_the_format():
+    # Identity rotation, no clipping, a row spanning [0, 3]: scale 1, zero 0, and
+    # values 0.5, 1.5, 2.5 sit exactly on ties (codes 0, 2, 2 under half-to-even).
+    d = 64
+    eye = torch.eye(d, device=DEVICE).expand(KV, d, d).contiguous()
+    ones = torch.ones(KV, device=DEVICE)
+    rot = layout.LayerRotation(eye, eye, torch.zeros(KV, d, device=DEVICE), ones, ones)
+    row = torch.tensor([0.0, 3.0, 0.5, 1.5, 2.5, 1.0, 2.0, 0.25] * (d // 8), device=DEVICE)
+    k = row.expand(2, KV, d).bfloat16()
+    ref, out = _store(d, d, 0, 9), _store(d, d, 0, 9)
+    slots = torch.tensor([1, 2], device=DEVICE)
+    reference.write_kv(k, k, slots, ref, rot)
+    api.write_kv(k, k, slots, out, rot, backend="triton")
+    _compare(ref, out, exact=True)
+    assert fmt.unpack(out.k_codes[1, 0])[:8].tolist() == [0, 3, 0, 2, 2, 1, 2, 0]
+
+
+def test_layout_checks_name_the_offending_tensor():
+    s = layout.empty_store(8, KV, 64, 32, 2)
+    s.check()
+    scenario.random_rotation(KV, 64).check(KV, 64)
+    bad = layout.LayerStore(**{**{f: getattr(s, f) for f in s.__dataclass_fields__},
+                               "v_zero": torch.zeros(8, KV, 2, dtype=torch.float32)})
+    with pytest.raises(ValueError, match="v_zero"):
+        bad.check()
+    rot = scenario.random_rotation(KV, 64)
+    strided = layout.LayerRotation(rot.k_rot.transpose(1, 2), rot.v_rot, rot.k_mean, rot.k_clip, rot.v_clip)
+    with pytest.raises(ValueError, match="k_rot must be contiguous"):
+        layout.require_contiguous(s, strided)
