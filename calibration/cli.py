@@ -25,6 +25,7 @@ from oscar_sglang import artifacts as art
 from . import data
 from . import model as model_io
 from .calibrate import METHODS, CalibrationConfig, calibrate, summary_table
+from .fit import query_positions
 from .optr import OptRConfig
 
 
@@ -58,19 +59,17 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.time()
     try:
-        lm, tok, path = model_io.load(args.model)
+        if args.method not in ("identity", "hadamard"):
+            # Fail before the long part if the windows swallow every sequence.
+            query_positions(args.seq_len, args.sink, args.recent, 1, torch.Generator())
         texts = data.load_texts(args.data)
+        lm, tok, path = model_io.load(args.model)
         seqs = data.sequences_from_texts(tok, texts, args.seq_len, args.tokens)
         cfg = CalibrationConfig(
             method=args.method, sink=args.sink, recent=args.recent, group_size=args.group,
             value_weighting=args.value_weighting, keep_sequences=args.keep_sequences, seed=args.seed,
             optr=OptRConfig(steps=args.optr_steps, lr=args.optr_lr, output_weight=args.optr_lambda),
         )
-        if args.method not in ("identity", "hadamard"):
-            # Fail before the long part if the windows swallow every sequence.
-            from .fit import query_positions
-
-            query_positions(args.seq_len, args.sink, args.recent, 1, torch.Generator())
         data_summary = {"spec": args.data, "texts": list(texts), "model": str(path)}
         artifact, report = calibrate(lm, seqs, cfg, data_summary, progress=not args.quiet)
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-artifacts", type=Path, default=None, help="also write each method's rotations here")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--quiet", action="store_true")
     return p
 
@@ -82,15 +83,17 @@ def main(argv=None) -> int:
         print("oscar-eval: error: --data and --eval-data must differ (calibrate and evaluate on different text)",
               file=sys.stderr)
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.time()
     progress = not args.quiet
-    lm, tok, path = model_io.load(args.model)
     cal_texts = data.load_texts(args.data)
     eval_texts = data.load_texts(args.eval_data)
     overlap = set(cal_texts) & set(eval_texts)
     if overlap:
         print(f"oscar-eval: error: texts in both calibration and evaluation data: {sorted(overlap)}", file=sys.stderr)
         return 2
+    lm, tok, path = model_io.load(args.model)
 
     cfg = CalibrationConfig(method="optr", sink=args.sink, recent=args.recent, group_size=args.group,
                             seed=args.seed, optr=OptRConfig())
