@@ -1,0 +1,142 @@
+"""Bookkeeping of the BF16 hot side pool: which slot owns which entry (DESIGN.md invariant 2).
+
+The side pool has ``entries`` rows shared by all layers and split into two
+rings: a **sink** region for the first ``sink`` positions of each sequence and
+a **recent** region for the last ``recent`` positions.  ``hot_index[slot]``
+is the slot's entry or -1; ``owner[entry]`` is the slot holding the entry or
+-1.  Handing out an entry evicts its previous owner (that slot is then read
+from INT2: precision lost, never data, because INT2 is always written).
+
+Per forward pass, :meth:`HotSet.update` applies, in order:
+
+1. the slots being written drop their old entries (a reused slot never shows
+   a freed token's BF16 row);
+2. slots that left their request's recent window drop their entries, so a
+   request reads BF16 exactly at positions ``< sink`` and ``>= len - recent``
+   whatever the rest of the traffic (as long as the rings are big enough);
+3. new tokens at sink positions get sink entries, new tokens in the recent
+   window get recent entries.
+
+The returned ``hot_loc`` (entry per new token or -1) is what the write path
+copies the rotated BF16 rows to, in every layer.  Plain torch, no SGLang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """Positions touched by one forward pass, in token order of the batch.
+
+    ``new_pos[n]``: position of each new token; ``new_len[n]``: its request's
+    length after the pass; ``leave_req``/``leave_pos``: request row (index into
+    the batch) and position of tokens that left the recent window.
+    """
+
+    new_pos: torch.Tensor
+    new_len: torch.Tensor
+    leave_req: torch.Tensor
+    leave_pos: torch.Tensor
+
+
+def window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, recent: int) -> WindowPlan:
+    """Plan for requests extended from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens (host lists).
+
+    Tokens that left the window are those at positions
+    ``[max(sink, prefix - recent), min(prefix, seq - recent))``: in the window
+    before the pass, outside it after.
+    """
+    new_pos, new_len, leave_req, leave_pos = [], [], [], []
+    for b, (n0, n1) in enumerate(zip(prefix_lens, seq_lens)):
+        if n1 < n0:
+            raise ValueError(f"request {b}: sequence length {n1} is below its prefix length {n0}")
+        new_pos.append(torch.arange(n0, n1))
+        new_len.append(torch.full((n1 - n0,), n1))
+        lo, hi = max(sink, n0 - recent), min(n0, n1 - recent)
+        if hi > lo:
+            leave_pos.append(torch.arange(lo, hi))
+            leave_req.append(torch.full((hi - lo,), b))
+
+    def cat(parts):
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    return WindowPlan(cat(new_pos), cat(new_len), cat(leave_req), cat(leave_pos))
+
+
+class _Ring:
+    """A contiguous range of entries handed out round-robin."""
+
+    def __init__(self, start: int, size: int):
+        self.start, self.size, self.next = start, size, 0
+
+    def take(self, n: int, device) -> torch.Tensor:
+        offsets = (self.next + torch.arange(n, device=device)) % self.size
+        self.next = (self.next + n) % self.size
+        return self.start + offsets
+
+
+class HotSet:
+    """``hot_index`` and entry ownership for a side pool of ``sink_entries + recent_entries`` rows."""
+
+    def __init__(self, num_slots: int, sink_entries: int, recent_entries: int, sink: int, recent: int,
+                 device: torch.device | str = "cpu"):
+        if min(sink_entries, recent_entries, sink, recent) < 0:
+            raise ValueError("hot pool sizes and windows must be >= 0")
+        self.sink, self.recent = sink, recent
+        self.entries = sink_entries + recent_entries
+        self.hot_index = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
+        self.owner = torch.full((self.entries,), -1, dtype=torch.long, device=device)
+        self._sink_ring = _Ring(0, sink_entries)
+        self._recent_ring = _Ring(sink_entries, recent_entries)
+
+    @property
+    def device(self) -> torch.device:
+        return self.hot_index.device
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Slots lose their entries (if any); the entries become free."""
+        if slots.numel() == 0:
+            return
+        slots = slots.long()
+        entry = self.hot_index[slots].long()
+        held = entry >= 0
+        self.owner[entry[held]] = -1
+        self.hot_index[slots] = -1
+
+    def _assign(self, slots: torch.Tensor, ring: _Ring) -> torch.Tensor:
+        """Give each slot an entry of ``ring`` (only the last ``ring.size`` if more); returns entries or -1."""
+        out = torch.full((slots.numel(),), -1, dtype=torch.long, device=self.device)
+        n = min(slots.numel(), ring.size)
+        if n == 0:
+            return out
+        slots = slots[-n:].long()
+        entries = ring.take(n, self.device)
+        prev = self.owner[entries]
+        evicted = prev[prev >= 0]
+        still = self.hot_index[evicted].long() == entries[prev >= 0]
+        self.hot_index[evicted[still]] = -1
+        self.owner[entries] = slots
+        self.hot_index[slots] = entries.to(torch.int32)
+        out[-n:] = entries
+        return out
+
+    def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
+               leaving_slots: torch.Tensor) -> torch.Tensor:
+        """Apply one forward pass (see the module docstring); returns ``hot_loc`` int64 ``[n]``."""
+        new_slots = new_slots.to(self.device).long()
+        new_pos = new_pos.to(self.device)
+        new_len = new_len.to(self.device)
+        self.release(new_slots)
+        self.release(leaving_slots.to(self.device))
+        hot_loc = torch.full((new_slots.numel(),), -1, dtype=torch.long, device=self.device)
+        is_sink = new_pos < self.sink
+        is_recent = ~is_sink & (new_pos >= new_len - self.recent)
+        for mask, ring in ((is_sink, self._sink_ring), (is_recent, self._recent_ring)):
+            idx = mask.nonzero().squeeze(-1)
+            if idx.numel():
+                hot_loc[idx] = self._assign(new_slots[idx], ring)
+        return hot_loc

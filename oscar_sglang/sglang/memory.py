@@ -1,0 +1,109 @@
+"""Hooks on SGLang's KV-cache setup: dtype, pool sizing, pool construction, startup log.
+
+All of them act only when the runner's KV dtype string is ``oscar-int2``:
+
+* ``kv_cache_dtype.configure_kv_cache_dtype`` (around): ``oscar-int2`` keeps
+  the model dtype as the compute dtype and the string as the cache's name.
+* ``DefaultPoolConfigurator._compute_cell_size`` (around): bytes per token of
+  the INT2 pool plus its share of the hot side pool, so SGLang's capacity is
+  INT2 capacity.  This is where the artifacts are first loaded and validated
+  in each scheduler (against SGLang's own model config).
+* ``KVCacheConfigurator._build_mha_kv_pool`` (around): builds the INT2 pool.
+* ``KVCacheConfigurator.configure`` (after): refuses any other pool (MLA,
+  hybrid, sliding-window models) and logs the one-line summary.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from . import sizing
+from .settings import HOT_FRACTION, KV_CACHE_DTYPE, OscarConfigError, serving_config
+
+logger = logging.getLogger(__name__)
+
+
+def configure_kv_cache_dtype(original, *args, **kwargs):
+    """Around ``configure_kv_cache_dtype``: ``oscar-int2`` -> (``"oscar-int2"``, model dtype)."""
+    if kwargs.get("server_args_kv_cache_dtype") != KV_CACHE_DTYPE:
+        return original(*args, **kwargs)
+    if kwargs.get("is_draft_worker"):
+        raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} does not support speculative decoding yet")
+    return KV_CACHE_DTYPE, kwargs["model_dtype"]
+
+
+def _is_oscar(kvc) -> bool:
+    return getattr(kvc, "kv_cache_dtype_str", None) == KV_CACHE_DTYPE
+
+
+def _kv_heads(kvc) -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return kvc.model_config.get_num_kv_heads(parallel.attn_tp_size, parallel.attn_dcp_size)
+
+
+def _serving(kvc):
+    """The validated serving config, after checking the model shape the INT2 pool supports."""
+    if kvc.use_mla_backend:
+        raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} supports MHA/GQA models, not MLA")
+    cfg = serving_config(kvc.model_config.hf_config)
+    if _kv_heads(kvc) != cfg.artifacts.model.num_kv_heads:
+        raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} does not support sharding the KV heads "
+                               "over tensor-parallel ranks yet; use --tp-size 1")
+    return cfg
+
+
+def compute_cell_size(original, self, kvc, num_layers):
+    """Around ``DefaultPoolConfigurator._compute_cell_size``: INT2 bytes per token (plus the hot share)."""
+    if not _is_oscar(kvc):
+        return original(self, kvc, num_layers)
+    cfg = _serving(kvc)
+    return sizing.cell_bytes_per_token(num_layers, _kv_heads(kvc), kvc.model_config.head_dim, cfg.group_size,
+                                       HOT_FRACTION)
+
+
+def build_mha_kv_pool(original, self, *, max_total_num_tokens, mha_pool_class, quant_method=None):
+    """Around ``KVCacheConfigurator._build_mha_kv_pool``: the INT2 pool instead of the BF16 one."""
+    if not _is_oscar(self):
+        return original(self, max_total_num_tokens=max_total_num_tokens, mha_pool_class=mha_pool_class,
+                        quant_method=quant_method)
+    from .pool import OscarInt2Pool
+
+    if self.is_draft_worker:
+        raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} does not support speculative decoding yet")
+    mc = self.model_config
+    if mc.head_dim != mc.v_head_dim:
+        raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} needs equal K and V head dims")
+    return OscarInt2Pool(
+        max_total_num_tokens, page_size=self.pool_page_size, dtype=self.kv_cache_dtype,
+        head_num=_kv_heads(self), head_dim=mc.head_dim, layer_num=self.layer_info.num_effective_layers,
+        device=self.device, config=_serving(self), start_layer=self.layer_info.start_layer,
+        end_layer=self.layer_info.end_layer,
+    )
+
+
+def check_pool_and_log(result, self, *args, **kwargs):
+    """After ``KVCacheConfigurator.configure``: the pool must be the INT2 pool; log the summary line."""
+    if not _is_oscar(self):
+        return result
+    from .pool import OscarInt2Pool
+
+    pool = result.token_to_kv_pool
+    if not isinstance(pool, OscarInt2Pool):
+        raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} supports standard MHA/GQA models; this model "
+                               f"needs SGLang's {type(pool).__name__}")
+    logger.info(summary_line(pool, result.max_total_num_tokens))
+    return result
+
+
+def summary_line(pool, capacity_tokens: int) -> str:
+    """The startup line: method, bits per element, windows, capacity."""
+    cfg = pool.config
+    layers, h, d = pool.layer_num, pool.head_num, pool.head_dim
+    per_token = sizing.cell_bytes_per_token(layers, h, d, cfg.group_size, HOT_FRACTION)
+    ratio = sizing.bf16_bytes_per_token(layers, h, d) / per_token
+    return (f"oscar-int2 KV cache: method={cfg.artifacts.method}, {cfg.bits_per_element:g} bits/element "
+            f"(group {cfg.group_size}), sink={cfg.sink}, recent={cfg.recent}, "
+            f"hot entries={pool.hot.entries}, KV capacity={capacity_tokens} tokens "
+            f"({per_token} B/token with the hot share: {ratio:.1f}x the tokens of BF16 in the same memory)")

@@ -1,0 +1,136 @@
+"""The INT2 token-to-KV pool that replaces SGLang's MHA pool under ``--kv-cache-dtype oscar-int2``.
+
+Layout (the contract the kernels are written against, see
+``oscar_sglang.kernels.layout``), per layer, ``num_slots = size + page_size``::
+
+    k_codes, v_codes           uint8 [num_slots, kv_heads, d // 4]
+    k_scale, k_zero, v_scale, v_zero
+                               fp16  [num_slots, kv_heads, d // G]
+    k_hot, v_hot               bf16  [hot_entries, kv_heads, d]   rotated, unclipped rows
+    hot_index                  int32 [num_slots]                  shared by all layers
+    k_rot, v_rot               fp32  [kv_heads, d, d]
+    k_mean                     fp32  [kv_heads, d]
+    k_clip, v_clip             fp32  [kv_heads]
+
+Every written token goes through the write path (rotate, clip, quantize,
+pack, store); tokens the forward pass marked hot also get BF16 copies.  The
+pool has no dense K/V buffers: only the ``oscar_int2`` attention backend reads it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
+
+from oscar_sglang import format as fmt
+from oscar_sglang.kernels import api as kernels
+from oscar_sglang.kernels.layout import LayerRotation, LayerStore
+
+from . import sizing
+from .hot import HotSet, window_plan
+from .settings import HOT_FRACTION, ServingConfig
+
+logger = logging.getLogger(__name__)
+
+# The CPU serving path is the plain-torch reference; the Triton kernels are wired in later.
+KERNEL_BACKEND = "torch"
+
+
+class OscarInt2Pool(KVCache):
+    """INT2 rows per slot, a BF16 hot side pool, and each layer's rotation state, on the pool's device."""
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
+                 layer_num: int, device: str, config: ServingConfig, start_layer: int | None = None,
+                 end_layer: int | None = None, hot_fraction: float = HOT_FRACTION):
+        super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver=False,
+                         start_layer=start_layer, end_layer=end_layer, allocation_label="oscar-int2")
+        self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
+        self.config = config
+        self.group_size = config.group_size
+        fmt.check_shape(head_dim, self.group_size)
+        self.num_slots = size + page_size
+        sink_entries, recent_entries = sizing.hot_entries(size, config.sink, config.recent, hot_fraction)
+        self.hot = HotSet(self.num_slots, sink_entries, recent_entries, config.sink, config.recent, device)
+        self._allocate(layer_num)
+        self.rotations = [self._rotation(config, self.start_layer + i) for i in range(layer_num)]
+        self._finalize_allocation_log(size)
+
+    def _allocate(self, layers: int) -> None:
+        n, h, d, groups, e = self.num_slots, self.head_num, self.head_dim, self.head_dim // self.group_size, self.hot.entries
+
+        def zeros(*shape, dtype):
+            return torch.zeros(layers, *shape, dtype=dtype, device=self.device)
+
+        self.k_codes, self.v_codes = (zeros(n, h, d // fmt.CODES_PER_BYTE, dtype=torch.uint8) for _ in range(2))
+        self.k_scale, self.k_zero, self.v_scale, self.v_zero = (
+            zeros(n, h, groups, dtype=torch.float16) for _ in range(4))
+        self.k_hot, self.v_hot = (zeros(e, h, d, dtype=torch.bfloat16) for _ in range(2))
+        self.stores = [
+            LayerStore(self.k_codes[i], self.k_scale[i], self.k_zero[i], self.v_codes[i], self.v_scale[i],
+                       self.v_zero[i], self.k_hot[i], self.v_hot[i], self.hot.hot_index)
+            for i in range(layers)
+        ]
+
+    def _rotation(self, config: ServingConfig, layer_id: int) -> LayerRotation:
+        src = config.artifacts.layers[layer_id].to(self.device, torch.float32)
+        rot = LayerRotation(src.k_rotation.contiguous(), src.v_rotation.contiguous(), src.k_mean.contiguous(),
+                            src.k_clip.contiguous(), src.v_clip.contiguous())
+        rot.check(self.head_num, self.head_dim)
+        return rot
+
+    @property
+    def hot_index(self) -> torch.Tensor:
+        return self.hot.hot_index
+
+    def layer(self, layer_id: int) -> tuple[LayerStore, LayerRotation]:
+        """The store and rotation state of a model layer (global layer id)."""
+        i = layer_id - self.start_layer
+        return self.stores[i], self.rotations[i]
+
+    def begin_pass(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
+                   seq_lens: list[int], req_to_token: torch.Tensor) -> torch.Tensor:
+        """Update the hot side pool for one forward pass (all layers); returns ``hot_loc`` per new token.
+
+        Request ``b`` (row ``req_pool_indices[b]`` of ``req_to_token``) grows
+        from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens; its new tokens are at
+        ``out_cache_loc``, in request order.
+        """
+        plan = window_plan(prefix_lens, seq_lens, self.hot.sink, self.hot.recent)
+        leaving = torch.zeros(0, dtype=torch.long, device=self.device)
+        if plan.leave_pos.numel():
+            rows = req_pool_indices.to(self.device).long()[plan.leave_req.to(self.device)]
+            leaving = req_to_token[rows, plan.leave_pos.to(self.device)]
+        return self.hot.update(out_cache_loc, plan.new_pos, plan.new_len, leaving)
+
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              hot_loc: torch.Tensor | None) -> None:
+        """Write path for one layer: ``k, v [n, kv_heads, d]`` at slots ``loc``; BF16 copies where ``hot_loc >= 0``.
+
+        ``hot_index`` must already be updated for this pass (``HotSet.update``).
+        """
+        store, rot = self.layer(layer_id)
+        k = k.reshape(-1, self.head_num, self.head_dim)
+        v = v.reshape(-1, self.head_num, self.head_dim)
+        kernels.write_kv(k, v, loc, store, rot, hot_loc, backend=KERNEL_BACKEND)
+
+    def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs) -> None:
+        """SGLang's generic write door: a cold write (INT2 only); the slots drop any old BF16 copy."""
+        loc = unwrap_write_loc(loc)[0]
+        self.hot.release(loc)
+        self.write(layer.layer_id, loc, cache_k, cache_v, None)
+
+    def _no_dense_buffer(self, *_):
+        raise RuntimeError("the oscar-int2 pool stores INT2 rows and has no dense K/V buffer; "
+                           "it is read only by the oscar_int2 attention backend")
+
+    get_key_buffer = get_value_buffer = get_kv_buffer = _no_dense_buffer
+
+    def get_kv_size_bytes(self) -> tuple[int, int]:
+        """Bytes of the K side and of the V side (INT2 rows plus hot rows)."""
+        def nbytes(*ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        return (nbytes(self.k_codes, self.k_scale, self.k_zero, self.k_hot),
+                nbytes(self.v_codes, self.v_scale, self.v_zero, self.v_hot))

@@ -1,0 +1,113 @@
+"""Launch settings of the INT2 cache and how they reach every SGLang process.
+
+``ServerArgs`` is a sealed record, so the oscar flags travel as environment
+variables: the launcher sets them while parsing the command line (before any
+scheduler subprocess starts) and every process reads them back here.  A
+programmatic caller (``sglang.Engine``) may set the variables itself.
+
+This module imports no SGLang code, so it can be used and tested anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from oscar_sglang import artifacts
+
+KV_CACHE_DTYPE = "oscar-int2"
+BACKEND_NAME = "oscar_int2"
+
+ENV_ROTATIONS = "OSCAR_SGLANG_ROTATIONS"
+ENV_SINK = "OSCAR_SGLANG_SINK"
+ENV_RECENT = "OSCAR_SGLANG_RECENT"
+
+# Share of the token capacity given to the BF16 hot side pool (sink and recent
+# copies).  Charged per token in the pool sizing, so capacity reflects it.
+HOT_FRACTION = 1 / 8
+
+MISSING_ROTATIONS = (
+    f"--kv-cache-dtype {KV_CACHE_DTYPE} needs --oscar-rotations DIR, a rotations directory for the served "
+    "model; create one with `oscar-calibrate --model MODEL --out DIR`"
+)
+
+
+class OscarConfigError(ValueError):
+    """A launch configuration the INT2 cache cannot serve; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """What the operator asked for: the rotations directory and optional window overrides."""
+
+    rotations: Path
+    sink: int | None = None
+    recent: int | None = None
+
+    def export(self, environ=os.environ) -> None:
+        """Write the settings to the environment inherited by subprocesses."""
+        environ[ENV_ROTATIONS] = str(self.rotations)
+        for name, value in ((ENV_SINK, self.sink), (ENV_RECENT, self.recent)):
+            if value is None:
+                environ.pop(name, None)
+            else:
+                environ[name] = str(value)
+
+    @classmethod
+    def from_env(cls, environ=os.environ) -> "LaunchSettings":
+        """Read the settings back; raises :class:`OscarConfigError` when rotations are missing."""
+        rotations = environ.get(ENV_ROTATIONS)
+        if not rotations:
+            raise OscarConfigError(MISSING_ROTATIONS)
+        return cls(Path(rotations), _int_or_none(environ, ENV_SINK), _int_or_none(environ, ENV_RECENT))
+
+
+def _int_or_none(environ, name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise OscarConfigError(f"{name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise OscarConfigError(f"{name}={value} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Validated artifacts plus the window sizes in effect (flags override the artifact's defaults)."""
+
+    artifacts: artifacts.RotationArtifacts
+    sink: int
+    recent: int
+
+    @property
+    def group_size(self) -> int:
+        return self.artifacts.group
+
+    @property
+    def bits_per_element(self) -> float:
+        return 2 + 32 / self.group_size
+
+
+@lru_cache(maxsize=4)
+def _load_cached(directory: str, fingerprint: artifacts.ModelFingerprint) -> artifacts.RotationArtifacts:
+    return artifacts.load(directory, expect=fingerprint)
+
+
+def serving_config(hf_config, environ=os.environ) -> ServingConfig:
+    """Load and validate the artifacts against the served model's config (cached per process).
+
+    Raises :class:`oscar_sglang.artifacts.ArtifactError` on any mismatch and
+    :class:`OscarConfigError` when no rotations were given.
+    """
+    settings = LaunchSettings.from_env(environ)
+    fp = artifacts.ModelFingerprint.from_config(hf_config)
+    art = _load_cached(str(settings.rotations.resolve()), fp)
+    sink = art.sink if settings.sink is None else settings.sink
+    recent = art.recent if settings.recent is None else settings.recent
+    return ServingConfig(art, sink, recent)

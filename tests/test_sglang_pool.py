@@ -1,0 +1,202 @@
+"""The INT2 pool and its hot side pool, driven the way the attention backend drives them.
+
+Scenario with page size 16: a request is prefilled and decoded, a second one
+shares its first page and extends it (in the same pass as a decode step of
+the first), the first is freed, a third reuses its slots.  Every live token
+must read back exactly what the reference format says (BF16 rotated row where
+hot, INT2 round trip elsewhere), hot exactly at sink and recent positions,
+and nothing of a freed token may leak.
+"""
+
+import os
+
+import pytest
+import torch
+
+from oscar_sglang import artifacts as art
+from oscar_sglang import format as fmt
+from oscar_sglang import rotation as rot
+from oscar_sglang.sglang import sizing
+from oscar_sglang.sglang.hot import HotSet, window_plan
+
+# ---------------------------------------------------------------------------
+# Hot side pool bookkeeping (no SGLang)
+
+
+def test_window_plan_extend_and_decode():
+    p = window_plan([0, 10, 5], [6, 11, 5], sink=2, recent=4)
+    assert p.new_pos.tolist() == [0, 1, 2, 3, 4, 5, 10]
+    assert p.new_len.tolist() == [6] * 6 + [11]
+    # request 1 (decode 10 -> 11): position 6 leaves the window [7, 11)
+    assert list(zip(p.leave_req.tolist(), p.leave_pos.tolist())) == [(1, 6)]
+
+
+def test_window_plan_chunk_on_prefix():
+    p = window_plan([8], [12], sink=2, recent=4)  # window [4, 8) before, [8, 12) after
+    assert p.leave_pos.tolist() == [4, 5, 6, 7]
+
+
+def test_hot_set_assigns_sinks_and_recent_and_releases():
+    hs = HotSet(num_slots=32, sink_entries=2, recent_entries=4, sink=2, recent=4)
+    slots = torch.arange(10, 20)
+    loc = hs.update(slots, torch.arange(10), torch.full((10,), 10), torch.zeros(0, dtype=torch.long))
+    assert (loc[:2] >= 0).all() and (loc[:2] < 2).all()          # sink region
+    assert (loc[2:6] == -1).all()                                 # middle: INT2 only
+    assert (loc[6:] >= 2).all()                                   # recent region
+    assert torch.equal(hs.hot_index[slots].long(), loc)
+    # the slot of position 6 leaves the window when position 10 is written
+    loc = hs.update(torch.tensor([20]), torch.tensor([10]), torch.tensor([11]), torch.tensor([16]))
+    assert hs.hot_index[16] == -1 and loc.item() >= 2 and hs.hot_index[20] == loc.item()
+    # a rewritten slot drops its entry
+    hs.update(torch.tensor([19]), torch.tensor([5]), torch.tensor([30]), torch.zeros(0, dtype=torch.long))
+    assert hs.hot_index[19] == -1
+
+
+def test_hot_set_ring_eviction_costs_precision_only():
+    hs = HotSet(num_slots=16, sink_entries=1, recent_entries=2, sink=1, recent=3)
+    hs.update(torch.tensor([1, 2, 3]), torch.arange(3), torch.full((3,), 3), torch.zeros(0, dtype=torch.long))
+    assert hs.hot_index[1:4].tolist() == [0, 1, 2]
+    # a second request's sink takes the only sink entry: the first request's sink falls back to INT2
+    hs.update(torch.tensor([5]), torch.tensor([0]), torch.tensor([1]), torch.zeros(0, dtype=torch.long))
+    assert hs.hot_index[1] == -1 and hs.hot_index[5] == 0
+    # more recent tokens than entries in one pass: only the last ones get entries, no entry is shared
+    loc = hs.update(torch.tensor([8, 9, 10]), torch.tensor([5, 6, 7]), torch.full((3,), 8),
+                    torch.zeros(0, dtype=torch.long))
+    assert loc[0] == -1 and sorted(loc[1:].tolist()) == [1, 2]
+    held = hs.hot_index[hs.hot_index >= 0].tolist()
+    assert len(held) == len(set(held))
+    assert all(hs.owner[e] == s for s, e in enumerate(hs.hot_index.tolist()) if e >= 0)
+
+
+def test_sizing_reports_int2_bytes_plus_hot_share():
+    # SmolLM2: 30 layers, 3 KV heads, d 64, G 64: a row is 16 B of codes + 4 B of scale/zero
+    assert sizing.int2_bytes_per_token(30, 3, 64, 64) == 30 * 2 * 3 * 20
+    assert sizing.cell_bytes_per_token(30, 3, 64, 64, 0) == 3600
+    assert sizing.cell_bytes_per_token(30, 3, 64, 64, 1 / 8) == 3600 + 30 * 2 * 3 * 64 * 2 // 8
+    assert sizing.hot_entries(2048, 4, 16, 1 / 8) == (51, 205)
+    assert sizing.hot_entries(100, 64, 256, 1 / 8) == (64, 256)   # at least one whole window
+    assert sizing.hot_entries(2048, 0, 0, 1 / 8) == (0, 0)
+
+
+# ---------------------------------------------------------------------------
+# The pool (needs SGLang's KVCache base class)
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+FP = art.ModelFingerprint(architecture="LlamaForCausalLM", num_layers=2, hidden_size=128, num_attention_heads=4,
+                          num_kv_heads=2, head_dim=32, vocab_size=100, rope_type="default", rope_theta=1e4)
+SINK, RECENT, PAGE = 2, 4, 16
+
+
+def _artifacts():
+    g = torch.Generator().manual_seed(0)
+
+    def orth():
+        return torch.stack([torch.linalg.qr(torch.randn(32, 32, generator=g, dtype=torch.float64))[0]
+                            for _ in range(2)]).float()
+
+    layers = [art.LayerRotation(orth(), orth(), torch.randn(2, 32, generator=g), torch.tensor([0.9, 1.0]),
+                                torch.tensor([1.0, 0.8])) for _ in range(FP.num_layers)]
+    return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=16)
+
+
+class _Driver:
+    """Writes passes into the pool as the backend does and remembers each slot's last raw K/V."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.req_to_token = torch.zeros(4, 64, dtype=torch.int32)
+        self.raw = {}  # (layer, slot) -> (k, v) rows [kv_heads, d]
+        self.gen = torch.Generator().manual_seed(1)
+
+    def run_pass(self, reqs):
+        """``reqs``: list of (row, prefix_len, slots of the new tokens)."""
+        rows, prefix, seq, locs = [], [], [], []
+        for row, pre, slots in reqs:
+            self.req_to_token[row, pre:pre + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+            rows.append(row), prefix.append(pre), seq.append(pre + len(slots)), locs.extend(slots)
+        loc = torch.tensor(locs)
+        hot_loc = self.pool.begin_pass(loc, torch.tensor(rows), prefix, seq, self.req_to_token)
+        for layer in range(FP.num_layers):
+            k = torch.randn(len(locs), 2, 32, generator=self.gen).to(torch.bfloat16) * 3
+            v = torch.randn(len(locs), 2, 32, generator=self.gen).to(torch.bfloat16)
+            k[..., 5] += 20  # an outlier channel, as real keys have
+            self.pool.write(layer, loc, k, v, hot_loc)
+            for i, s in enumerate(locs):
+                self.raw[layer, s] = (k[i], v[i])
+
+    def expected(self, layer, slot, hot):
+        _, r = self.pool.layer(layer)
+        k, v = self.raw[layer, slot]
+        kr = rot.rotate_kv(k[None], r.k_rot, r.k_mean)[0]
+        vr = rot.rotate_kv(v[None], r.v_rot)[0]
+        if hot:
+            return kr.to(torch.bfloat16).float(), vr.to(torch.bfloat16).float()
+        return (fmt.fake_quantize(kr, 16, r.k_clip.unsqueeze(-1)), fmt.fake_quantize(vr, 16, r.v_clip.unsqueeze(-1)))
+
+
+@pytest.fixture
+def pool():
+    pytest.importorskip("sglang")
+    from oscar_sglang.sglang.pool import OscarInt2Pool
+    from oscar_sglang.sglang.settings import ServingConfig
+
+    cfg = ServingConfig(_artifacts(), SINK, RECENT)
+    return OscarInt2Pool(64, PAGE, torch.bfloat16, head_num=2, head_dim=32, layer_num=2, device="cpu", config=cfg,
+                         start_layer=0, end_layer=2, hot_fraction=0.5)
+
+
+def test_pool_layout_matches_the_kernel_contract(pool):
+    assert pool.num_slots == 64 + PAGE
+    for layer in range(2):
+        store, r = pool.layer(layer)
+        store.check()
+        r.check(2, 32)
+        assert store.hot_index is pool.hot_index
+    assert pool.k_hot.shape[1] == pool.hot.entries == 32
+    with pytest.raises(RuntimeError, match="no dense K/V buffer"):
+        pool.get_key_buffer(0)
+
+
+def test_pool_reads_live_tokens_exactly_after_sharing_freeing_and_reuse(pool):
+    from oscar_sglang.kernels.common.reference import read_rotated
+
+    d = _Driver(pool)
+    page = lambda i: list(range(i * PAGE, (i + 1) * PAGE))  # noqa: E731
+    a_slots = page(1) + page(2)                       # request A owns pages 1 and 2
+    d.run_pass([(0, 0, a_slots[:20])])                # A: prefill 20 tokens
+    d.run_pass([(0, 20, [a_slots[20]])])              # A: decode
+    d.run_pass([(0, 21, [a_slots[21]])])              # A: decode
+    d.req_to_token[1, :16] = torch.tensor(page(1))   # B's cached prefix: A's first page (radix cache hit)
+    d.run_pass([(1, 16, page(3)[:12]), (0, 22, [a_slots[22]])])   # B extends it while A decodes
+    a_hot_freed = [s for s in page(2) if pool.hot_index[s] >= 0]
+    assert a_hot_freed, "A's recent window lies on its second page"
+    # A finishes; its own page 2 is freed and handed to C
+    d.run_pass([(2, 0, page(2)[:14])])
+    live = {"B": (1, 28), "C": (2, 14)}
+    for name, (row, n) in live.items():
+        slots = d.req_to_token[row, :n].long()
+        hot = pool.hot_index[slots] >= 0
+        want_hot = (torch.arange(n) < SINK) | (torch.arange(n) >= n - RECENT)
+        assert torch.equal(hot, want_hot), name
+        for layer in range(2):
+            store, _ = pool.layer(layer)
+            k, v = read_rotated(store, slots)
+            for i, s in enumerate(slots.tolist()):
+                ek, ev = d.expected(layer, s, bool(hot[i]))
+                assert torch.equal(k[i], ek) and torch.equal(v[i], ev), (name, layer, i)
+    # C's slots that held A's BF16 rows read C's values (checked above) and are hot only by C's windows
+    assert any(pool.hot_index[s] == -1 for s in a_hot_freed)
+
+
+def test_cold_write_through_the_generic_door_drops_hot_copies(pool):
+    d = _Driver(pool)
+    d.run_pass([(0, 0, list(range(16, 22)))])
+    assert (pool.hot_index[16:22] >= 0).all()
+
+    class Layer:
+        layer_id = 1
+
+    k = torch.randn(2, 2, 32).to(torch.bfloat16)
+    pool.set_kv_buffer(Layer, torch.tensor([16, 17]), k, k)
+    assert (pool.hot_index[16:18] == -1).all() and (pool.hot_index[18:22] >= 0).all()
