@@ -7,6 +7,7 @@ method             rotation                    key centering    clip search  lea
 =================  ==========================  ===============  ==========  =========
 identity           I                           no               no           no
 hadamard           H (QuaRot-style)            no               no           no
+hadamard-clip      H                           no               yes          no
 hadamard-center    H                           yes              yes          no
 oscar              U_Q H P / U_S H P           no               yes          no
 oscar-center       U_Q H P / U_S H P           yes              yes          no
@@ -30,7 +31,8 @@ from .fit import RotatedSample, oscar_rotations, query_positions, search_clips
 from .optr import OptRConfig, refine_layer
 from .stats import StatsCollector
 
-METHODS = ("identity", "hadamard", "hadamard-center", "oscar", "oscar-center", "optr")
+METHODS = ("identity", "hadamard", "hadamard-clip", "hadamard-center", "oscar", "oscar-center", "optr")
+UNCENTERED = ("identity", "hadamard", "hadamard-clip", "oscar")
 DATA_FREE = ("identity", "hadamard")
 
 
@@ -114,7 +116,7 @@ def fit(model, collector: StatsCollector | None, cfg: CalibrationConfig, summary
         a.calibration = {**summary, "tokens": 0, "note": "data-free baseline"}
         return a, []
     mods = attention_modules(model)
-    centered = cfg.method != "oscar"
+    centered = cfg.method not in UNCENTERED
     layers, report = [], []
     for i in tqdm(range(fp.num_layers), desc=f"fit {cfg.method}", unit="layer", disable=not progress):
         st = collector.layers[i]

@@ -36,7 +36,7 @@ from .calibrate import METHODS, CalibrationConfig, collect_statistics, fit
 from .optr import OptRConfig
 
 EVAL_METHODS = ("bf16",) + METHODS
-DEFAULT_METHODS = "bf16,identity,hadamard,hadamard-center,oscar,oscar-center,optr"
+DEFAULT_METHODS = "bf16,identity,hadamard,hadamard-clip,hadamard-center,oscar,oscar-center,optr"
 
 
 def _ints(s: str) -> list[int]:
