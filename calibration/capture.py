@@ -23,7 +23,7 @@ ATTN_NAME = "oscar_capture"
 Tap = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 _taps: list[Tap] = []
-_registered = False
+_registered: set[str] = set()
 
 
 def _attention(module, query, key, value, attention_mask, **kwargs):
@@ -35,31 +35,39 @@ def _attention(module, query, key, value, attention_mask, **kwargs):
     return out, weights
 
 
-def register() -> None:
-    """Register the capturing attention (and sdpa's mask format for it) once per process."""
-    global _registered
-    if _registered:
+def register_attention(name: str, fn) -> None:
+    """Register ``fn`` as transformers attention ``name``, with sdpa's mask format (once per process)."""
+    if name in _registered:
         return
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(ATTN_NAME, _attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-    _registered = True
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    _registered.add(name)
+
+
+@contextmanager
+def attention_swapped(model, name: str):
+    """Within the block, ``model`` uses the registered attention ``name``; restored afterwards."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
 
 
 @contextmanager
 def tapped(model, tap: Tap):
     """Within the block, every attention call of ``model`` calls ``tap(layer, q, k, v, out)``."""
-    register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
+    register_attention(ATTN_NAME, _attention)
     _taps.append(tap)
     try:
-        yield model
+        with attention_swapped(model, ATTN_NAME):
+            yield model
     finally:
         _taps.remove(tap)
-        model.set_attn_implementation(previous)
 
 
 @torch.no_grad()

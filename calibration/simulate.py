@@ -36,6 +36,7 @@ from oscar_sglang import rotation as rot
 from oscar_sglang.artifacts import RotationArtifacts
 
 from . import served
+from .capture import attention_swapped, register_attention
 
 ATTN_NAME = "oscar_int2_sim"
 MODES = ("decode", "serve")
@@ -70,7 +71,6 @@ class SimState:
 
 
 _state: SimState | None = None
-_registered = False
 
 
 def _allowed(attention_mask, b, s, t, q_pos, device) -> torch.Tensor:
@@ -127,30 +127,16 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.to(query.dtype), None
 
 
-def register() -> None:
-    global _registered
-    if _registered:
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(ATTN_NAME, _attention)
-    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-    _registered = True
-
-
 @contextmanager
 def simulated(model, state: SimState):
     """Within the block, ``model`` attends through the simulated INT2 cache described by ``state``."""
     global _state
-    register()
+    register_attention(ATTN_NAME, _attention)
     if _state is not None:
         raise RuntimeError("a simulated cache is already active")
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
     _state = state
     try:
-        yield state
+        with attention_swapped(model, ATTN_NAME):
+            yield state
     finally:
         _state = None
-        model.set_attn_implementation(previous)
