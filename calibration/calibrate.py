@@ -145,6 +145,10 @@ def fit(model, collector: StatsCollector | None, cfg: CalibrationConfig, summary
     return art.RotationArtifacts(fp, cfg.method, layers, calibration=summary, **kw), report
 
 
+def _mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
 def summary_table(report: list[dict]) -> str:
     """One line per layer: chosen clips, INT2 errors with and without them, OptR decisions."""
     if not report:
@@ -154,10 +158,9 @@ def summary_table(report: list[dict]) -> str:
     head += "  OptR kept K/V  K held-out before->after" if has_optr else ""
     lines = [head]
     for r in report:
-        mean = lambda x: sum(x) / len(x)  # noqa: E731
-        line = (f"{r['layer']:5d}  {mean(r['k_clip']):.3f}         {mean(r['v_clip']):.3f}         "
-                f"{mean(r['k_rel_error']):.3f} ({mean(r['k_rel_error_noclip']):.3f})    "
-                f"{mean(r['v_rel_error']):.3f} ({mean(r['v_rel_error_noclip']):.3f})")
+        line = (f"{r['layer']:5d}  {_mean(r['k_clip']):.3f}         {_mean(r['v_clip']):.3f}         "
+                f"{_mean(r['k_rel_error']):.3f} ({_mean(r['k_rel_error_noclip']):.3f})    "
+                f"{_mean(r['v_rel_error']):.3f} ({_mean(r['v_rel_error_noclip']):.3f})")
         if has_optr:
             line += (f"    {sum(r['k_kept'])}/{sum(r['v_kept'])} of {len(r['k_kept'])}       "
                      f"{sum(r['k_heldout_before']):.4f} -> {sum(r['k_heldout_after']):.4f}")

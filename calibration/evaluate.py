@@ -65,7 +65,7 @@ def niah_prompt(tokenizer, haystack_ids: list[int], length: int, depth: float, k
     needle = tokenizer(" " + NEEDLE.format(key=key) + " ", add_special_tokens=False).input_ids
     frame = tokenizer.apply_chat_template([{"role": "user", "content": "X\n\n" + QUESTION}], tokenize=True,
                                           add_generation_prompt=True)
-    frame = frame["input_ids"] if isinstance(frame, dict) or hasattr(frame, "keys") else frame
+    frame = frame["input_ids"] if hasattr(frame, "keys") else frame
     budget = length - len(needle) - len(frame) - 8
     if budget < 16:
         raise ValueError(f"length {length} is too short for the needle and the question")
