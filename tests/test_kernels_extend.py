@@ -10,19 +10,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+from kernel_device import DEVICE
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-
-import pytest  # noqa: E402
-
-from oscar_sglang.kernels import api, interpret, layout, scenario  # noqa: E402
-from oscar_sglang.kernels.extend import reference  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    interpret.enable()
+from oscar_sglang.kernels import api, layout, scenario
+from oscar_sglang.kernels.extend import reference
 
 KV = 2
 ATOL = RTOL = 1e-4 if DEVICE == "cpu" else 1e-2  # the GPU's dots are TF32

@@ -8,22 +8,14 @@ differ (by one level), scales/zeros within one fp16 ulp, hot rows within one
 bf16 ulp (observed: identical).
 """
 
-import os
 
+import pytest
 import torch
+from kernel_device import DEVICE
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
-
-import pytest  # noqa: E402
-
-from oscar_sglang import format as fmt  # noqa: E402
-from oscar_sglang.kernels import api, interpret, layout, scenario  # noqa: E402
-from oscar_sglang.kernels.write import reference  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    interpret.enable()
+from oscar_sglang import format as fmt
+from oscar_sglang.kernels import api, layout, scenario
+from oscar_sglang.kernels.write import reference
 
 KV = 2
 MAX_CODE_MISMATCH = 1e-3
