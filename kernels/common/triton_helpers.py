@@ -114,3 +114,22 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
     a2 = a2 * alpha[:, None] + tl.dot(p, v2, input_precision=PREC)
     a3 = a3 * alpha[:, None] + tl.dot(p, v3, input_precision=PREC)
     return m_new, l, a0, a1, a2, a3
+
+
+@triton.jit
+def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
+                        k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
+                        q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
+                        D: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr):
+    """One online-softmax step over stored tokens ``t`` of a request (``tok_row_ptr`` = its
+    ``req_to_token`` row): slot lookup, BF16 where the slot has a hot entry, INT2 elsewhere."""
+    slot = tl.load(tok_row_ptr + t, mask=tmask, other=0).to(tl.int64)
+    entry = tl.load(hot_index + slot, mask=tmask, other=-1).to(tl.int64)
+    cold = tmask & (entry < 0)
+    hot = tmask & (entry >= 0)
+    row = slot * KV + kvh
+    hot_row = entry * KV + kvh
+    k0, k1, k2, k3 = load_rows(k_codes, k_scale, k_zero, k_hot, row, hot_row, cold, hot, D, G)
+    v0, v1, v2, v3 = load_rows(v_codes, v_scale, v_zero, v_hot, row, hot_row, cold, hot, D, G)
+    return attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
+                        tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)

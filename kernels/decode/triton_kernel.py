@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..common.rotate import derotate_output, rotate_queries
-from ..common.triton_helpers import attend_block, load_query_pieces, load_rows, store_pieces
+from ..common.triton_helpers import attend_stored_block, load_query_pieces, store_pieces
 from ..layout import LayerRotation, LayerStore, require_contiguous
 
 LOG2E = 1.4426950408889634
@@ -53,16 +53,10 @@ def _decode_split_kernel(q_ptr, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     for n0 in range(start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < end
-        slot = tl.load(req_to_token + req * stride_r2t + t, mask=tmask, other=0).to(tl.int64)
-        entry = tl.load(hot_index + slot, mask=tmask, other=-1).to(tl.int64)
-        cold = tmask & (entry < 0)
-        hot = tmask & (entry >= 0)
-        row = slot * KV + kvh
-        hot_row = entry * KV + kvh
-        k0, k1, k2, k3 = load_rows(k_codes, k_scale, k_zero, k_hot, row, hot_row, cold, hot, D, G)
-        v0, v1, v2, v3 = load_rows(v_codes, v_scale, v_zero, v_hot, row, hot_row, cold, hot, D, G)
-        m, l, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
-                                            tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
+        m, l, a0, a1, a2, a3 = attend_stored_block(
+            t, tmask, req_to_token + req * stride_r2t, hot_index, kvh, KV,
+            k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
+            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, G, PREC)
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
     part = (b * Q_HEADS + qh).to(tl.int64) * NUM_SPLITS + sp

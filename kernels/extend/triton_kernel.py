@@ -17,7 +17,7 @@ import triton.language as tl
 from oscar_sglang.rotation import rotate_kv
 
 from ..common.rotate import derotate_output, rotate_queries
-from ..common.triton_helpers import attend_block, load_query_pieces, load_rows, store_pieces
+from ..common.triton_helpers import attend_block, attend_stored_block, load_query_pieces, store_pieces
 from ..decode.triton_kernel import DOT_PRECISION, LOG2E
 from ..layout import LayerRotation, LayerStore, require_contiguous
 
@@ -56,16 +56,10 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
     for n0 in range(0, prefix, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < prefix
-        slot = tl.load(req_to_token + req * stride_r2t + t, mask=tmask, other=0).to(tl.int64)
-        entry = tl.load(hot_index + slot, mask=tmask, other=-1).to(tl.int64)
-        cold = tmask & (entry < 0)
-        hot = tmask & (entry >= 0)
-        row = slot * KV + kvh
-        hot_row = entry * KV + kvh
-        k0, k1, k2, k3 = load_rows(k_codes, k_scale, k_zero, k_hot, row, hot_row, cold, hot, D, G)
-        v0, v1, v2, v3 = load_rows(v_codes, v_scale, v_zero, v_hot, row, hot_row, cold, hot, D, G)
-        m, l, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
-                                            tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
+        m, l, a0, a1, a2, a3 = attend_stored_block(
+            t, tmask, req_to_token + req * stride_r2t, hot_index, kvh, KV,
+            k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
+            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, G, PREC)
 
     # New tokens, exact, causal among themselves.
     hi = tl.minimum(ext_len, m0 + BLOCK_M)
