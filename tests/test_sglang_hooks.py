@@ -63,6 +63,9 @@ def test_hook_target_signatures():
     assert {"server_args_kv_cache_dtype", "model_dtype", "is_draft_worker"} <= set(p)
     assert all(x.kind is inspect.Parameter.KEYWORD_ONLY for x in p.values())
     assert list(params(f"{plugin.POOL_CONFIGURATOR}._compute_cell_size")) == ["self", "kvc", "num_layers"]
+    assert list(params(f"{plugin.POOL_CONFIGURATOR}.calculate_pool_sizes")) == [
+        "self", "available_bytes", "page_size"]
+    assert list(params(f"{plugin.KV_CONFIGURATOR}._profile_available_bytes")) == ["self", "pre_model_load_memory"]
     p = params(f"{plugin.KV_CONFIGURATOR}._build_mha_kv_pool")
     assert list(p) == ["self", "max_total_num_tokens", "mha_pool_class", "quant_method"]
     assert list(params(f"{plugin.KV_CONFIGURATOR}.configure")) == ["self", "pre_model_load_memory"]
@@ -127,7 +130,7 @@ _CLI_PROBE = textwrap.dedent("""
     model, cases = sys.argv[1], json.loads(sys.argv[2])
     out = {}
     for name, extra in cases.items():
-        for k in ("OSCAR_SGLANG_ROTATIONS", "OSCAR_SGLANG_SINK", "OSCAR_SGLANG_RECENT"):
+        for k in ("OSCAR_SGLANG_ROTATIONS", "OSCAR_SGLANG_SINK", "OSCAR_SGLANG_RECENT", "OSCAR_SGLANG_HOT_REQUESTS"):
             os.environ.pop(k, None)
         try:
             sa = prepare_server_args(["--model-path", model, "--device", "cpu", *extra])
@@ -136,7 +139,7 @@ _CLI_PROBE = textwrap.dedent("""
             out[name] = {"kv": v.kv_cache_dtype, "backend": v.attention_backend,
                          "graphs": [str(v.cuda_graph_config.decode.backend), str(v.cuda_graph_config.prefill.backend)],
                          "env": [os.environ.get(k) for k in ("OSCAR_SGLANG_ROTATIONS", "OSCAR_SGLANG_SINK",
-                                                             "OSCAR_SGLANG_RECENT")]}
+                                                             "OSCAR_SGLANG_RECENT", "OSCAR_SGLANG_HOT_REQUESTS")]}
         except SystemExit as e:
             out[name] = {"exit": str(e)}
         except Exception as e:
@@ -162,7 +165,9 @@ def cli_results(tmp_path_factory):
     int2 = ["--kv-cache-dtype", "oscar-int2"]
     cases = {
         "plain": [],
-        "int2": [*int2, "--oscar-rotations", str(good), "--oscar-sink", "4", "--oscar-recent", "16"],
+        "int2": [*int2, "--oscar-rotations", str(good), "--oscar-sink", "4", "--oscar-recent", "16",
+                 "--oscar-hot-requests", "8"],
+        "negative_hot": [*int2, "--oscar-rotations", str(good), "--oscar-hot-requests", "-1"],
         "no_rotations": int2,
         "wrong_model": [*int2, "--oscar-rotations", str(wrong)],
         "flags_without_int2": ["--oscar-sink", "4"],
@@ -179,11 +184,11 @@ def cli_results(tmp_path_factory):
 def test_cli_selects_backend_and_exports_settings(cli_results):
     res, good = cli_results
     assert res["plain"]["kv"] == "auto" and res["plain"]["backend"] != "oscar_int2"
-    assert res["plain"]["env"] == [None, None, None]
+    assert res["plain"]["env"] == [None, None, None, None]
     int2 = res["int2"]
     assert int2["kv"] == "oscar-int2" and int2["backend"] == "oscar_int2"
     assert all("disabled" in g.lower() for g in int2["graphs"])
-    assert int2["env"] == [str(good), "4", "16"]
+    assert int2["env"] == [str(good), "4", "16", "8"]
 
 
 @pytest.mark.model
@@ -194,4 +199,5 @@ def test_cli_refusals_say_what_to_do(cli_results):
     wrong = res["wrong_model"]["exit"]
     assert "calibrated for a different model" in wrong and "num_layers 4 in the artifact vs 30" in wrong
     assert "apply only with --kv-cache-dtype oscar-int2" in res["flags_without_int2"]["exit"]
+    assert "--oscar-hot-requests must be >= 0, got -1" in res["negative_hot"]["exit"]
     assert "drop --attention-backend torch_native" in res["other_backend"]["error"]

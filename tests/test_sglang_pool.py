@@ -68,14 +68,37 @@ def test_hot_set_ring_eviction_costs_precision_only():
     assert all(hs.owner[e] == s for s, e in enumerate(hs.hot_index.tolist()) if e >= 0)
 
 
-def test_sizing_reports_int2_bytes_plus_hot_share():
+def test_sizing_int2_cell_and_hot_plan():
     # SmolLM2: 30 layers, 3 KV heads, d 64, G 64: a row is 16 B of codes + 4 B of scale/zero
-    assert sizing.int2_bytes_per_token(30, 3, 64, 64) == 30 * 2 * 3 * 20
-    assert sizing.cell_bytes_per_token(30, 3, 64, 64, 0) == 3600
-    assert sizing.cell_bytes_per_token(30, 3, 64, 64, 1 / 8) == 3600 + 30 * 2 * 3 * 64 * 2 // 8
-    assert sizing.hot_entries(2048, 4, 16, 1 / 8) == (51, 205)
-    assert sizing.hot_entries(100, 64, 256, 1 / 8) == (64, 256)   # at least one whole window
-    assert sizing.hot_entries(2048, 0, 0, 1 / 8) == (0, 0)
+    assert sizing.int2_bytes_per_token(30, 3, 64, 64) == 30 * 2 * 3 * 20 == 3600
+    assert sizing.int2_bytes_per_token(30, 3, 64, 32) == 30 * 2 * 3 * (16 + 8)
+    assert sizing.bf16_bytes_per_token(30, 3, 64) == 30 * 2 * 3 * 64 * 2 == 23040
+    # 32 requests, sink 64, recent 256: one sink window each; one recent window each + a quarter for bursts
+    plan = sizing.hot_plan(32, 64, 256)
+    assert (plan.sink_entries, plan.recent_entries) == (32 * 64, 32 * 256 + 8 * 256)
+    assert plan.nbytes(30, 3, 64) == plan.entries * 23040
+    assert sizing.hot_plan(1, 4, 16) == sizing.HotPlan(4, 32)          # the burst share is at least a window
+    assert sizing.hot_plan(32, 64, 256, max_tokens=1000) == sizing.HotPlan(1000, 1000)
+    assert sizing.hot_plan(0, 64, 256).entries == sizing.hot_plan(8, 0, 0).entries == 0
+    with pytest.raises(ValueError):
+        sizing.hot_plan(-1, 4, 16)
+    # SGLang's rule: the fixed part comes off the budget, then whole pages of cells
+    assert sizing.capacity_tokens(10_000, 100, fixed_bytes=1_050, page_size=16) == 80
+    assert sizing.capacity_tokens(1_000, 100, fixed_bytes=2_000) == 0
+
+
+def test_capacity_ratio_meets_the_goals_at_a_gpu_sized_budget():
+    """Default hot pool (32 requests, sink 64, recent 256), 64 GiB budget (an H200 serving an 8B model has more).
+
+    Geometries: SmolLM2-135M (30 layers, 3 KV heads, d 64) and Llama-3-8B (32 layers, 8 KV heads, d 128).
+    """
+    budget = 64 * 2**30
+    for layers, kv, d, goal in ((30, 3, 64, 6.0), (32, 8, 128, 6.8)):
+        bf16 = sizing.capacity_tokens(budget, sizing.bf16_bytes_per_token(layers, kv, d))
+        hot = sizing.hot_plan(32, 64, 256).nbytes(layers, kv, d)
+        int2 = sizing.capacity_tokens(budget, sizing.int2_bytes_per_token(layers, kv, d, d), fixed_bytes=hot)
+        assert int2 / bf16 >= goal, (d, int2 / bf16)
+        assert int2 / bf16 < 16 / (2 + 32 / d)      # never above the format's own ratio
 
 
 # ---------------------------------------------------------------------------
@@ -141,9 +164,9 @@ def pool():
     from oscar_sglang.sglang.pool import OscarInt2Pool
     from oscar_sglang.sglang.settings import ServingConfig
 
-    cfg = ServingConfig(_artifacts(), SINK, RECENT)
+    cfg = ServingConfig(_artifacts(), SINK, RECENT, hot_requests=4)
     return OscarInt2Pool(64, PAGE, torch.bfloat16, head_num=2, head_dim=32, layer_num=2, device="cpu", config=cfg,
-                         start_layer=0, end_layer=2, hot_fraction=0.5)
+                         start_layer=0, end_layer=2)
 
 
 def test_pool_layout_matches_the_kernel_contract(pool):
@@ -153,7 +176,7 @@ def test_pool_layout_matches_the_kernel_contract(pool):
         store.check()
         r.check(2, 32)
         assert store.hot_index is pool.hot_index
-    assert pool.k_hot.shape[1] == pool.hot.entries == 32
+    assert pool.k_hot.shape[1] == pool.hot.entries == 4 * SINK + 4 * RECENT + RECENT
     with pytest.raises(RuntimeError, match="no dense K/V buffer"):
         pool.get_key_buffer(0)
 

@@ -2,7 +2,7 @@
 
 * ``ServerArgs.add_cli_args`` (after): adds ``oscar-int2`` to the
   ``--kv-cache-dtype`` choices and the ``--oscar-rotations DIR``,
-  ``--oscar-sink N``, ``--oscar-recent N`` flags.
+  ``--oscar-sink N``, ``--oscar-recent N``, ``--oscar-hot-requests N`` flags.
 * ``ServerArgs.from_cli_args`` (around): checks the flags, validates the
   artifacts against the model's config, and exports the settings to the
   environment the scheduler subprocesses inherit (``ServerArgs`` is sealed).
@@ -18,8 +18,8 @@ import os
 
 from oscar_sglang import artifacts
 
-from .settings import (BACKEND_NAME, ENV_ROTATIONS, KV_CACHE_DTYPE, MISSING_ROTATIONS, LaunchSettings,
-                       OscarConfigError)
+from .settings import (BACKEND_NAME, DEFAULT_HOT_REQUESTS, ENV_ROTATIONS, KV_CACHE_DTYPE, MISSING_ROTATIONS,
+                       LaunchSettings, OscarConfigError)
 
 logger = logging.getLogger(__name__)
 
@@ -44,23 +44,28 @@ def add_cli_args(_result, parser) -> None:
                        help="first N tokens of each sequence kept in BF16 (default: the artifact's)")
     group.add_argument("--oscar-recent", metavar="N", type=int, default=None,
                        help="last N tokens of each sequence kept in BF16 (default: the artifact's)")
+    group.add_argument("--oscar-hot-requests", metavar="N", type=int, default=None,
+                       help="running requests whose sink and recent windows the BF16 side pool holds "
+                            f"(default {DEFAULT_HOT_REQUESTS}, at most --max-running-requests); more requests "
+                            "still work, reading their oldest recent tokens from INT2")
 
 
 def launch_settings(args) -> LaunchSettings | None:
     """The oscar settings of a parsed command line, or None without oscar-int2; raises on a bad launch."""
     rotations = getattr(args, "oscar_rotations", None)
     sink, recent = getattr(args, "oscar_sink", None), getattr(args, "oscar_recent", None)
+    hot = getattr(args, "oscar_hot_requests", None)
     if getattr(args, "kv_cache_dtype", None) != KV_CACHE_DTYPE:
-        if rotations is not None or sink is not None or recent is not None:
-            raise OscarConfigError(f"--oscar-rotations, --oscar-sink and --oscar-recent apply only with "
-                                   f"--kv-cache-dtype {KV_CACHE_DTYPE}")
+        if any(v is not None for v in (rotations, sink, recent, hot)):
+            raise OscarConfigError(f"--oscar-rotations, --oscar-sink, --oscar-recent and --oscar-hot-requests "
+                                   f"apply only with --kv-cache-dtype {KV_CACHE_DTYPE}")
         return None
     if not rotations:
         raise OscarConfigError(MISSING_ROTATIONS)
-    for flag, value in (("--oscar-sink", sink), ("--oscar-recent", recent)):
+    for flag, value in (("--oscar-sink", sink), ("--oscar-recent", recent), ("--oscar-hot-requests", hot)):
         if value is not None and value < 0:
             raise OscarConfigError(f"{flag} must be >= 0, got {value}")
-    return LaunchSettings(os.path.abspath(rotations), sink, recent)
+    return LaunchSettings(os.path.abspath(rotations), sink, recent, hot)
 
 
 def _check_artifacts_early(settings: LaunchSettings, args) -> None:

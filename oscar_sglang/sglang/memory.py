@@ -5,9 +5,14 @@ All of them act only when the runner's KV dtype string is ``oscar-int2``:
 * ``kv_cache_dtype.configure_kv_cache_dtype`` (around): ``oscar-int2`` keeps
   the model dtype as the compute dtype and the string as the cache's name.
 * ``DefaultPoolConfigurator._compute_cell_size`` (around): bytes per token of
-  the INT2 pool plus its share of the hot side pool, so SGLang's capacity is
-  INT2 capacity.  This is where the artifacts are first loaded and validated
-  in each scheduler (against SGLang's own model config).
+  the INT2 pool, so SGLang's capacity is INT2 capacity.  This is where the
+  artifacts are first loaded and validated in each scheduler (against
+  SGLang's own model config).
+* ``DefaultPoolConfigurator.calculate_pool_sizes`` (around): the hot side
+  pool is a fixed allocation (``hot_requests`` windows); its bytes come off
+  the budget before SGLang divides by the cell size.
+* ``KVCacheConfigurator._profile_available_bytes`` (around, any dtype): a
+  fixed budget from ``OSCAR_SGLANG_KV_BUDGET_BYTES`` when set (benchmarks).
 * ``KVCacheConfigurator._build_mha_kv_pool`` (around): builds the INT2 pool.
 * ``KVCacheConfigurator.configure`` (after): refuses any other pool (MLA,
   hybrid, sliding-window models) and logs the one-line summary.
@@ -18,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from . import sizing
-from .settings import HOT_FRACTION, KV_CACHE_DTYPE, OscarConfigError, serving_config
+from .settings import KV_CACHE_DTYPE, OscarConfigError, kv_budget_bytes, serving_config
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +59,45 @@ def _serving(kvc):
     return cfg
 
 
+def hot_requests(cfg) -> int:
+    """Requests the hot side pool is sized for: the setting, capped by --max-running-requests if given."""
+    from sglang.srt.runtime_context import get_schedule
+
+    limit = get_schedule().max_running_requests
+    return cfg.hot_requests if limit is None else min(cfg.hot_requests, limit)
+
+
+def hot_plan(cfg, max_tokens: int | None = None) -> sizing.HotPlan:
+    return sizing.hot_plan(hot_requests(cfg), cfg.sink, cfg.recent, max_tokens)
+
+
 def compute_cell_size(original, self, kvc, num_layers):
-    """Around ``DefaultPoolConfigurator._compute_cell_size``: INT2 bytes per token (plus the hot share)."""
+    """Around ``DefaultPoolConfigurator._compute_cell_size``: INT2 bytes per token; notes the hot pool's bytes."""
     if not _is_oscar(kvc):
         return original(self, kvc, num_layers)
     cfg = _serving(kvc)
-    return sizing.cell_bytes_per_token(num_layers, _kv_heads(kvc), kvc.model_config.head_dim, cfg.group_size,
-                                       HOT_FRACTION)
+    h, d = _kv_heads(kvc), kvc.model_config.head_dim
+    self.oscar_hot_bytes = hot_plan(cfg).nbytes(num_layers, h, d)
+    return sizing.int2_bytes_per_token(num_layers, h, d, cfg.group_size)
+
+
+def calculate_pool_sizes(original, self, available_bytes, page_size):
+    """Around ``DefaultPoolConfigurator.calculate_pool_sizes``: the hot side pool comes off the budget first."""
+    hot = getattr(self, "oscar_hot_bytes", 0)
+    if hot and available_bytes <= hot:
+        raise OscarConfigError(f"the KV memory budget ({available_bytes / 2**20:.0f} MiB) does not even hold the "
+                               f"BF16 hot side pool ({hot / 2**20:.0f} MiB); lower --oscar-hot-requests, "
+                               "--oscar-sink or --oscar-recent, or raise --mem-fraction-static")
+    return original(self, available_bytes - hot, page_size)
+
+
+def profile_available_bytes(original, self, *args, **kwargs):
+    """Around ``KVCacheConfigurator._profile_available_bytes``: a fixed budget when the benchmark sets one."""
+    budget = kv_budget_bytes()
+    if budget is None:
+        return original(self, *args, **kwargs)
+    logger.info("oscar-sglang: KV memory budget fixed at %d bytes by the environment", budget)
+    return budget
 
 
 def build_mha_kv_pool(original, self, *, max_total_num_tokens, mha_pool_class, quant_method=None):
@@ -73,13 +110,14 @@ def build_mha_kv_pool(original, self, *, max_total_num_tokens, mha_pool_class, q
     if self.is_draft_worker:
         raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} does not support speculative decoding yet")
     mc = self.model_config
+    cfg = _serving(self)
     if mc.head_dim != mc.v_head_dim:
         raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} needs equal K and V head dims")
     return OscarInt2Pool(
         max_total_num_tokens, page_size=self.pool_page_size, dtype=self.kv_cache_dtype,
         head_num=_kv_heads(self), head_dim=mc.head_dim, layer_num=self.layer_info.num_effective_layers,
-        device=self.device, config=_serving(self), start_layer=self.layer_info.start_layer,
-        end_layer=self.layer_info.end_layer,
+        device=self.device, config=cfg, hot=hot_plan(cfg, max_total_num_tokens),
+        start_layer=self.layer_info.start_layer, end_layer=self.layer_info.end_layer,
     )
 
 
@@ -98,12 +136,15 @@ def check_pool_and_log(result, self, *args, **kwargs):
 
 
 def summary_line(pool, capacity_tokens: int) -> str:
-    """The startup line: method, bits per element, windows, capacity."""
+    """The startup line: method, bits per element, windows, hot pool, capacity and its ratio to BF16."""
     cfg = pool.config
     layers, h, d = pool.layer_num, pool.head_num, pool.head_dim
-    per_token = sizing.cell_bytes_per_token(layers, h, d, cfg.group_size, HOT_FRACTION)
-    ratio = sizing.bf16_bytes_per_token(layers, h, d) / per_token
+    int2 = sizing.int2_bytes_per_token(layers, h, d, cfg.group_size)
+    hot_bytes = pool.hot.entries * sizing.hot_bytes_per_entry(layers, h, d)
+    total = capacity_tokens * int2 + hot_bytes
+    ratio = capacity_tokens / (total / sizing.bf16_bytes_per_token(layers, h, d))
     return (f"oscar-int2 KV cache: method={cfg.artifacts.method}, {cfg.bits_per_element:g} bits/element "
             f"(group {cfg.group_size}), sink={cfg.sink}, recent={cfg.recent}, "
-            f"hot entries={pool.hot.entries}, KV capacity={capacity_tokens} tokens "
-            f"({per_token} B/token with the hot share: {ratio:.1f}x the tokens of BF16 in the same memory)")
+            f"hot entries={pool.hot.entries} ({pool.hot_requests} requests, {hot_bytes / 2**20:.1f} MiB), "
+            f"KV capacity={capacity_tokens} tokens ({int2} B/token; {total / 2**20:.1f} MiB in all: "
+            f"{ratio:.2f}x the tokens of BF16 in the same memory)")

@@ -21,6 +21,8 @@ HOOKS = (
     (f"{SERVER_ARGS}.from_cli_args", args.from_cli_args, "AROUND"),
     ("sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype", memory.configure_kv_cache_dtype, "AROUND"),
     (f"{POOL_CONFIGURATOR}._compute_cell_size", memory.compute_cell_size, "AROUND"),
+    (f"{POOL_CONFIGURATOR}.calculate_pool_sizes", memory.calculate_pool_sizes, "AROUND"),
+    (f"{KV_CONFIGURATOR}._profile_available_bytes", memory.profile_available_bytes, "AROUND"),
     (f"{KV_CONFIGURATOR}._build_mha_kv_pool", memory.build_mha_kv_pool, "AROUND"),
     (f"{KV_CONFIGURATOR}.configure", memory.check_pool_and_log, "AFTER"),
 )

@@ -30,7 +30,7 @@ from oscar_sglang.kernels.layout import LayerRotation, LayerStore
 
 from . import sizing
 from .hot import HotSet, window_plan
-from .settings import HOT_FRACTION, ServingConfig
+from .settings import ServingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ class OscarInt2Pool(KVCache):
     """INT2 rows per slot, a BF16 hot side pool, and each layer's rotation state, on the pool's device."""
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
-                 layer_num: int, device: str, config: ServingConfig, start_layer: int | None = None,
-                 end_layer: int | None = None, hot_fraction: float = HOT_FRACTION):
+                 layer_num: int, device: str, config: ServingConfig, hot: sizing.HotPlan | None = None,
+                 start_layer: int | None = None, end_layer: int | None = None):
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver=False,
                          start_layer=start_layer, end_layer=end_layer, allocation_label="oscar-int2")
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
@@ -51,8 +51,10 @@ class OscarInt2Pool(KVCache):
         self.group_size = config.group_size
         fmt.check_shape(head_dim, self.group_size)
         self.num_slots = size + page_size
-        sink_entries, recent_entries = sizing.hot_entries(size, config.sink, config.recent, hot_fraction)
-        self.hot = HotSet(self.num_slots, sink_entries, recent_entries, config.sink, config.recent, device)
+        if hot is None:
+            hot = sizing.hot_plan(config.hot_requests, config.sink, config.recent, size)
+        self.hot_requests = config.hot_requests
+        self.hot = HotSet(self.num_slots, hot.sink_entries, hot.recent_entries, config.sink, config.recent, device)
         self._allocate(layer_num)
         self.rotations = [self._rotation(config, self.start_layer + i) for i in range(layer_num)]
         self._finalize_allocation_log(size)

@@ -23,10 +23,15 @@ BACKEND_NAME = "oscar_int2"
 ENV_ROTATIONS = "OSCAR_SGLANG_ROTATIONS"
 ENV_SINK = "OSCAR_SGLANG_SINK"
 ENV_RECENT = "OSCAR_SGLANG_RECENT"
+ENV_HOT_REQUESTS = "OSCAR_SGLANG_HOT_REQUESTS"
+# Benchmark knob: a fixed KV memory budget in bytes instead of SGLang's profile
+# of free memory (which is noisy on a shared CPU machine).  Applies to every
+# --kv-cache-dtype, so BF16 and INT2 capacities can be compared exactly.
+ENV_KV_BUDGET = "OSCAR_SGLANG_KV_BUDGET_BYTES"
 
-# Share of the token capacity given to the BF16 hot side pool (sink and recent
-# copies).  Charged per token in the pool sizing, so capacity reflects it.
-HOT_FRACTION = 1 / 8
+# Concurrent requests whose sink and recent windows the BF16 hot side pool
+# holds (capped by --max-running-requests when that is smaller).
+DEFAULT_HOT_REQUESTS = 32
 
 MISSING_ROTATIONS = (
     f"--kv-cache-dtype {KV_CACHE_DTYPE} needs --oscar-rotations DIR, a rotations directory for the served "
@@ -40,16 +45,18 @@ class OscarConfigError(ValueError):
 
 @dataclass(frozen=True)
 class LaunchSettings:
-    """What the operator asked for: the rotations directory and optional window overrides."""
+    """What the operator asked for: the rotations directory and optional window and hot-pool overrides."""
 
     rotations: Path
     sink: int | None = None
     recent: int | None = None
+    hot_requests: int | None = None
 
     def export(self, environ=os.environ) -> None:
         """Write the settings to the environment inherited by subprocesses."""
         environ[ENV_ROTATIONS] = str(self.rotations)
-        for name, value in ((ENV_SINK, self.sink), (ENV_RECENT, self.recent)):
+        for name, value in ((ENV_SINK, self.sink), (ENV_RECENT, self.recent),
+                            (ENV_HOT_REQUESTS, self.hot_requests)):
             if value is None:
                 environ.pop(name, None)
             else:
@@ -61,7 +68,8 @@ class LaunchSettings:
         rotations = environ.get(ENV_ROTATIONS)
         if not rotations:
             raise OscarConfigError(MISSING_ROTATIONS)
-        return cls(Path(rotations), _int_or_none(environ, ENV_SINK), _int_or_none(environ, ENV_RECENT))
+        return cls(Path(rotations), _int_or_none(environ, ENV_SINK), _int_or_none(environ, ENV_RECENT),
+                   _int_or_none(environ, ENV_HOT_REQUESTS))
 
 
 def _int_or_none(environ, name: str) -> int | None:
@@ -84,6 +92,7 @@ class ServingConfig:
     artifacts: artifacts.RotationArtifacts
     sink: int
     recent: int
+    hot_requests: int = DEFAULT_HOT_REQUESTS
 
     @property
     def group_size(self) -> int:
@@ -110,4 +119,13 @@ def serving_config(hf_config, environ=os.environ) -> ServingConfig:
     art = _load_cached(str(settings.rotations.resolve()), fp)
     sink = art.sink if settings.sink is None else settings.sink
     recent = art.recent if settings.recent is None else settings.recent
-    return ServingConfig(art, sink, recent)
+    hot = DEFAULT_HOT_REQUESTS if settings.hot_requests is None else settings.hot_requests
+    return ServingConfig(art, sink, recent, hot)
+
+
+def kv_budget_bytes(environ=os.environ) -> int | None:
+    """The fixed KV budget of :data:`ENV_KV_BUDGET`, or None (SGLang profiles free memory)."""
+    value = _int_or_none(environ, ENV_KV_BUDGET)
+    if value == 0:
+        raise OscarConfigError(f"{ENV_KV_BUDGET} must be > 0")
+    return value

@@ -1,24 +1,30 @@
-"""Byte math of the INT2 pool: the per-token cost SGLang sizes the pool with, and the hot pool's rows.
+"""Byte math of the INT2 pool and of its BF16 hot side pool.  Plain Python, no SGLang.
 
 Per token and layer the pool stores, for K and for V, one INT2 row per KV
-head (``d / 4`` bytes of codes plus fp16 scale and zero per group).  The BF16
-hot side pool holds ``ceil(hot_fraction * tokens)`` rows (at least one
-sink + recent window), each ``2 * kv_heads * d`` bf16 values per layer; its
-cost is charged per token at ``hot_fraction``, so the capacity SGLang derives
-from a memory budget covers both.  Plain Python, no SGLang.
+head (``d / 4`` bytes of codes plus fp16 scale and zero per group): that is
+the per-token cell SGLang divides its memory budget by.
+
+The BF16 hot side pool is a fixed allocation sized by the requests it serves,
+not by the token capacity (DESIGN.md invariant 2): ``hot_requests`` sink
+windows in the sink region, and ``hot_requests`` recent windows plus a
+quarter more for prefill bursts in the recent region.  Its bytes are taken
+off the budget before SGLang divides, so the capacity SGLang reports is what
+really fits.  More running requests than ``hot_requests`` still work: the
+rings evict the oldest hot copies, which are then read from INT2.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 from oscar_sglang import format as fmt
 
 BF16_BYTES = 2
+BURST_SHARE = 4  # the recent region holds hot_requests recent windows + 1/4 of that for prefill bursts
 
 
 def int2_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, group_size: int) -> int:
-    """INT2 rows (codes, scale, zero) of K and V, all layers."""
+    """INT2 rows (codes, scale, zero) of K and V, all layers: the cell size of the pool."""
     return num_layers * 2 * kv_heads * fmt.bytes_per_row(head_dim, group_size)
 
 
@@ -27,28 +33,45 @@ def hot_bytes_per_entry(num_layers: int, kv_heads: int, head_dim: int) -> int:
     return num_layers * 2 * kv_heads * head_dim * BF16_BYTES
 
 
-def cell_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, group_size: int,
-                         hot_fraction: float) -> int:
-    """What one token of capacity costs: INT2 rows plus its share of the hot side pool."""
-    hot = hot_fraction * hot_bytes_per_entry(num_layers, kv_heads, head_dim)
-    return int2_bytes_per_token(num_layers, kv_heads, head_dim, group_size) + math.ceil(hot)
-
-
-def hot_entries(tokens: int, sink: int, recent: int, hot_fraction: float) -> tuple[int, int]:
-    """``(sink_entries, recent_entries)`` of the side pool for a pool of ``tokens`` slots.
-
-    Total ``max(sink + recent, ceil(hot_fraction * tokens))`` (no more than
-    ``tokens``), split in proportion ``sink : recent`` with every non-empty
-    window getting at least its own size.
-    """
-    window = sink + recent
-    if window == 0:
-        return 0, 0
-    total = min(max(window, math.ceil(hot_fraction * tokens)), max(tokens, window))
-    sink_entries = max(sink, round(total * sink / window)) if sink else 0
-    return sink_entries, max(total - sink_entries, recent)
-
-
 def bf16_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int) -> int:
-    """The dense BF16 pool's cost, for the capacity comparison in the startup log."""
+    """The dense BF16 pool's cost per token, for capacity comparisons."""
     return hot_bytes_per_entry(num_layers, kv_heads, head_dim)
+
+
+@dataclass(frozen=True)
+class HotPlan:
+    """Entries of the two regions of the side pool."""
+
+    sink_entries: int
+    recent_entries: int
+
+    @property
+    def entries(self) -> int:
+        return self.sink_entries + self.recent_entries
+
+    def nbytes(self, num_layers: int, kv_heads: int, head_dim: int) -> int:
+        return self.entries * hot_bytes_per_entry(num_layers, kv_heads, head_dim)
+
+
+def hot_plan(hot_requests: int, sink: int, recent: int, max_tokens: int | None = None) -> HotPlan:
+    """Side-pool regions for ``hot_requests`` concurrent requests with windows ``sink`` and ``recent``.
+
+    Sink region: one sink window per request.  Recent region: one recent
+    window per request plus ``1/BURST_SHARE`` of that (at least one window) for
+    prefill bursts.  Neither region is larger than ``max_tokens`` (the pool
+    cannot hold more live tokens than that).
+    """
+    if min(hot_requests, sink, recent) < 0:
+        raise ValueError("hot requests and windows must be >= 0")
+    sink_entries = hot_requests * sink
+    recent_entries = hot_requests * recent + max(recent, -(-hot_requests * recent // BURST_SHARE)) \
+        if hot_requests and recent else 0
+    if max_tokens is not None:
+        sink_entries, recent_entries = min(sink_entries, max_tokens), min(recent_entries, max_tokens)
+    return HotPlan(sink_entries, recent_entries)
+
+
+def capacity_tokens(budget_bytes: int, cell_bytes: int, fixed_bytes: int = 0, page_size: int = 1) -> int:
+    """Tokens that fit in ``budget_bytes`` after ``fixed_bytes``, rounded down to whole pages (SGLang's rule)."""
+    tokens = max(budget_bytes - fixed_bytes, 0) // cell_bytes
+    return tokens // page_size * page_size

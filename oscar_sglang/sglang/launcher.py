@@ -1,0 +1,140 @@
+"""Start and stop a real SGLang server in a subprocess, for the quickstart, the benchmarks and the tests.
+
+Imports no SGLang: the server runs in its own process group started with
+``python -m sglang.launch_server``; :func:`local_server` waits for SGLang's
+"fired up" log line, yields the base URL and kills the whole group on exit.
+Where no GPU is visible the server runs SGLang's CPU engine
+(``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu``) and sleeps when idle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+READY_LINE = "The server is fired up"
+START_TIMEOUT_S = 600
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become ready; the message ends with the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cuda_visible() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def launch_command(model, port: int, *extra: str, cpu: bool | None = None) -> list[str]:
+    """``python -m sglang.launch_server`` for ``model`` on ``127.0.0.1:port``; CPU flags where no GPU is visible."""
+    cpu = not cuda_visible() if cpu is None else cpu
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1",
+           "--port", str(port)]
+    if cpu:
+        cmd += ["--device", "cpu", "--sleep-on-idle"]
+    return cmd + list(extra)
+
+
+def server_env(cpu: bool | None = None, environ=os.environ) -> dict[str, str]:
+    """The environment a user's server gets: no oscar settings or Triton interpreter leaking in from ours."""
+    cpu = not cuda_visible() if cpu is None else cpu
+    env = {k: v for k, v in environ.items()
+           if (not k.startswith("OSCAR_SGLANG_") or k in ("OSCAR_SGLANG_CACHE", "OSCAR_SGLANG_KV_BUDGET_BYTES"))
+           and k != "TRITON_INTERPRET"}
+    if cpu:
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    return env
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate the server's whole process group (it was started in a session of its own)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+
+@contextmanager
+def local_server(model, log_path, *extra: str, cpu: bool | None = None, env: dict | None = None,
+                 timeout_s: float = START_TIMEOUT_S):
+    """Run a server until the block ends; yields its base URL. Raises :class:`ServerError` if it does not start."""
+    log_path = Path(log_path)
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(launch_command(model, port, *extra, cpu=cpu), stdout=log,
+                                stderr=subprocess.STDOUT, env=env or server_env(cpu), start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while READY_LINE not in log_path.read_text(errors="replace"):
+            if proc.poll() is not None:
+                raise ServerError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise ServerError(f"server not ready after {timeout_s:.0f} s:\n{_tail(log_path)}")
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+def refused(model, *extra: str, cpu: bool | None = None, timeout_s: float = 240) -> tuple[int, str]:
+    """Launch a server that is expected to refuse to start; returns its exit code and output.
+
+    Raises :class:`ServerError` if it is still running after ``timeout_s``.
+    """
+    proc = subprocess.Popen(launch_command(model, free_port(), *extra, cpu=cpu), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=server_env(cpu), start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise ServerError("the server started instead of refusing") from None
+    finally:
+        stop(proc)
+    return proc.returncode, out
+
+
+def post(url: str, path: str, body: dict, timeout_s: float = 600) -> dict:
+    """POST JSON to the server and return the decoded answer."""
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.load(r)
+
+
+def get(url: str, path: str, timeout_s: float = 60) -> dict:
+    with urllib.request.urlopen(url + path, timeout=timeout_s) as r:
+        return json.load(r)
+
+
+def flush_cache(url: str, timeout_s: float = 60) -> None:
+    """Empty the server's radix (prefix) cache; SGLang answers with plain text."""
+    req = urllib.request.Request(url + "/flush_cache", b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        r.read()

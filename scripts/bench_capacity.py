@@ -1,0 +1,236 @@
+"""KV capacity and decode speed of the real SGLang server: oscar-int2 vs the default BF16 cache, side by side.
+
+    .venv/bin/python scripts/bench_capacity.py                 # writes docs/capacity.{md,json,png}
+
+For each model geometry, two servers are started one after the other with
+the same fixed KV memory budget (``OSCAR_SGLANG_KV_BUDGET_BYTES``, so the
+comparison does not depend on how much memory happens to be free), and the
+script reads the capacity in tokens each server reports
+(``/get_server_info``: ``max_total_num_tokens``).  The INT2 server's budget
+also pays for its BF16 hot side pool (default: 32 requests x (64 sink + 256
+recent + bursts)).  Then, on the same servers, decode speed: a batch of
+requests with a fixed prompt length generating a fixed number of tokens
+(``ignore_eos``), timed from the client.
+
+Geometries:
+* ``smollm2``: the default model (SmolLM2-135M-Instruct, 30 layers, 3 KV heads, head_dim 64), real weights.
+* ``d128``: a Llama config with head_dim 128 (4 layers, 8 query / 2 KV heads,
+  hidden 1024) and random weights (``--load-format dummy``): capacity and
+  speed only, its text is noise.
+
+The capacity ratio depends only on budget / hot pool size: the hot pool
+costs ``32 x 384`` BF16 rows whatever the model, so a budget of ``N`` BF16
+tokens gives ``ratio = (16 / bits) x (1 - 12288 / N)``.  The budgets here
+(~280k and ~520k BF16 tokens) are far below what an H200 holds for a small
+or 8B model (millions / ~840k BF16 tokens), so the ratio on a GPU is at
+least the one measured here.  On CPU the decode numbers compare the plain
+torch paths (SGLang's torch_native attention vs the oscar backend's torch
+reference), not the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from oscar_sglang import assets
+from oscar_sglang import artifacts as art
+from oscar_sglang.sglang import launcher, sizing
+from oscar_sglang.sglang.settings import DEFAULT_HOT_REQUESTS, ENV_KV_BUDGET
+
+ROOT = Path(__file__).resolve().parents[1]
+GOALS = {64: 6.0, 128: 6.8}
+D128_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024, "head_dim": 128,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 2816,
+    "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "vocab_size": 49152,
+    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "tie_word_embeddings": True,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "dtype": "bfloat16", "attention_bias": False,
+    "mlp_bias": False,
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=ROOT / "docs", help="output folder (default docs/)")
+    p.add_argument("--budget-gib", type=float, nargs=2, default=(6.0, 2.0), metavar=("SMOLLM2", "D128"),
+                   help="KV memory budget per geometry in GiB (default 6 2)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default 1 8)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--rotations", type=Path, default=None,
+                   help="rotations for SmolLM2 (default: Hadamard built on the fly; capacity does not depend on it)")
+    p.add_argument("--geometries", nargs="+", default=["smollm2", "d128"], choices=["smollm2", "d128"])
+    return p.parse_args(argv)
+
+
+def d128_model(folder: Path, tokenizer_from: Path) -> Path:
+    """A config-only Llama folder with head_dim 128 (weights are SGLang's dummy ones) and SmolLM2's tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(D128_CONFIG, indent=2))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, folder / name)
+    return folder
+
+
+def fingerprint(model: Path) -> art.ModelFingerprint:
+    from transformers import AutoConfig
+
+    return art.ModelFingerprint.from_config(AutoConfig.from_pretrained(model))
+
+
+def geometry(model: Path) -> tuple[int, int, int]:
+    fp = fingerprint(model)
+    return fp.num_layers, fp.num_kv_heads, fp.head_dim
+
+
+def decode_speed(url: str, batch: int, prompt_tokens: int, new_tokens: int, seed: int) -> dict:
+    """``batch`` concurrent requests of distinct ``prompt_tokens``-token prompts, each generating ``new_tokens``."""
+    results, errors = [None] * batch, []
+
+    def one(i):
+        ids = [1000 + (seed * 7919 + i * 104729 + j * 31) % 40000 for j in range(prompt_tokens)]
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0,
+                                                      "ignore_eos": True}}
+        try:
+            out = launcher.post(url, "/generate", body)
+            results[i] = out["meta_info"]["completion_tokens"]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    # one warm-up request so the timed run does not pay first-call costs
+    launcher.post(url, "/generate", {"input_ids": [1000 + j for j in range(16)],
+                                     "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    launcher.flush_cache(url)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {batch} requests failed: {errors[0]}")
+    tokens = sum(results)
+    return {"batch": batch, "tokens": tokens, "wall_s": wall, "tok_per_s": tokens / wall}
+
+
+def run_server(model: Path, log: Path, budget: int, extra: list[str], args) -> dict:
+    env = {**launcher.server_env(), ENV_KV_BUDGET: str(budget)}
+    t0 = time.perf_counter()
+    with launcher.local_server(model, log, *extra, env=env) as url:
+        start_s = time.perf_counter() - t0
+        info = launcher.get(url, "/get_server_info")
+        capacity = info.get("max_total_num_tokens")
+        if capacity is None:  # the scheduler's fields sit under internal_states in some versions
+            capacity = info["internal_states"][0]["max_total_num_tokens"]
+        speeds = [decode_speed(url, b, args.prompt_tokens, args.new_tokens, seed=b) for b in args.batch]
+    line = [x for x in log.read_text().splitlines() if "oscar-int2 KV cache:" in x]
+    return {"capacity": int(capacity), "start_s": start_s, "decode": speeds,
+            "startup_line": line[0].split("oscar-int2 KV cache:", 1)[1].strip() if line else None}
+
+
+def expected(model: Path, budget: int) -> dict:
+    """The capacity the byte math predicts, as an independent check of what the servers report."""
+    layers, kv, d = geometry(model)
+    bf16 = sizing.capacity_tokens(budget, sizing.bf16_bytes_per_token(layers, kv, d))
+    hot = sizing.hot_plan(DEFAULT_HOT_REQUESTS, art.DEFAULT_SINK, art.DEFAULT_RECENT).nbytes(layers, kv, d)
+    int2 = sizing.capacity_tokens(budget, sizing.int2_bytes_per_token(layers, kv, d, d), fixed_bytes=hot)
+    return {"bf16": bf16, "int2": int2, "hot_bytes": hot, "layers": layers, "kv_heads": kv, "head_dim": d}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench_capacity_"))
+    smollm2 = assets.default_model_dir()
+    models = {"smollm2": (smollm2, [], args.budget_gib[0]),
+              "d128": (d128_model(work / "llama-d128", smollm2), ["--load-format", "dummy"], args.budget_gib[1])}
+    rows = []
+    for name in args.geometries:
+        model, extra, gib = models[name]
+        budget = int(gib * 2**30)
+        fp = fingerprint(model)
+        rot = args.rotations if (name == "smollm2" and args.rotations) else art.save(art.hadamard(fp), work / name)
+        want = expected(model, budget)
+        print(f"[{name}] {want['layers']} layers, {want['kv_heads']} KV heads, head_dim {want['head_dim']}, "
+              f"budget {gib:g} GiB", flush=True)
+        res = {}
+        for dtype, flags in (("bf16", []), ("oscar-int2", ["--kv-cache-dtype", "oscar-int2",
+                                                             "--oscar-rotations", str(rot)])):
+            print(f"  starting the {dtype} server ...", flush=True)
+            res[dtype] = run_server(model, work / f"{name}-{dtype}.log", budget, extra + flags, args)
+            print(f"  {dtype}: capacity {res[dtype]['capacity']} tokens; decode "
+                  + ", ".join(f"batch {s['batch']} {s['tok_per_s']:.1f} tok/s" for s in res[dtype]["decode"]),
+                  flush=True)
+        ratio = res["oscar-int2"]["capacity"] / res["bf16"]["capacity"]
+        rows.append({"geometry": name, "model": str(model) if name == "smollm2" else "Llama d128 (dummy weights)",
+                     "budget_gib": gib, "budget_bf16_tokens": res["bf16"]["capacity"], "expected": want,
+                     "bf16": res["bf16"], "int2": res["oscar-int2"], "ratio": ratio,
+                     "format_ratio": 16 / (2 + 32 / want["head_dim"]), "goal": GOALS[want["head_dim"]]})
+    write_report(rows, args)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if all(r["ratio"] >= r["goal"] for r in rows) else 1
+
+
+def write_report(rows: list[dict], args) -> None:
+    date = datetime.date.today().isoformat()
+    cmd = "python scripts/bench_capacity.py" + (
+        f" --budget-gib {args.budget_gib[0]:g} {args.budget_gib[1]:g}" if tuple(args.budget_gib) != (6.0, 2.0) else "")
+    (args.out / "capacity.json").write_text(json.dumps({"date": date, "command": cmd, "rows": rows}, indent=2))
+    lines = [f"Measured {date} with `{cmd}` (2-core CPU machine, SGLang 0.5.23 CPU engine).", "",
+             "| geometry | budget | BF16 tokens | INT2 tokens | ratio | goal | format ratio | predicted INT2 | "
+             "hot pool |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        e = r["expected"]
+        lines.append(f"| {r['geometry']} (L={e['layers']}, KV heads={e['kv_heads']}, d={e['head_dim']}) | "
+                     f"{r['budget_gib']:g} GiB | {r['bf16']['capacity']:,} | {r['int2']['capacity']:,} | "
+                     f"**{r['ratio']:.2f}x** | >= {r['goal']:g}x | {r['format_ratio']:.2f}x | {e['int2']:,} | "
+                     f"{e['hot_bytes'] / 2**20:.0f} MiB |")
+    lines += ["", f"Decode on the CPU server ({args.prompt_tokens}-token prompts, {args.new_tokens} new tokens "
+              "each, concurrent requests, client wall time):", "",
+              "| geometry | batch | BF16 tok/s | INT2 tok/s | INT2 / BF16 |", "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        for b, i in zip(r["bf16"]["decode"], r["int2"]["decode"]):
+            lines.append(f"| {r['geometry']} | {b['batch']} | {b['tok_per_s']:.1f} | {i['tok_per_s']:.1f} | "
+                         f"{i['tok_per_s'] / b['tok_per_s']:.2f} |")
+    lines += ["", "INT2 startup lines:", ""] + [f"- {r['geometry']}: `{r['int2']['startup_line']}`" for r in rows]
+    (args.out / "capacity_table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        plot(rows, args.out / "capacity.png")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [r["geometry"] for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["bf16"]["capacity"] / 1e6 for r in rows], 0.4, label="BF16 (auto)")
+    ax.bar([i + 0.2 for i in x], [r["int2"]["capacity"] / 1e6 for r in rows], 0.4, label="oscar-int2")
+    for i, r in zip(x, rows):
+        ax.text(i + 0.2, r["int2"]["capacity"] / 1e6, f"{r['ratio']:.2f}x", ha="center", va="bottom")
+    ax.set_xticks(list(x), [f"{n}\n{r['budget_gib']:g} GiB budget" for n, r in zip(names, rows)])
+    ax.set_ylabel("KV capacity (million tokens)")
+    ax.set_title("Tokens SGLang fits in the same KV budget")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

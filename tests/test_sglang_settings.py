@@ -1,0 +1,34 @@
+"""Launch settings travel to subprocesses through the environment and come back unchanged (no SGLang needed)."""
+
+from pathlib import Path
+
+import pytest
+
+from oscar_sglang.sglang import settings as st
+
+
+def test_settings_round_trip_through_the_environment():
+    env = {}
+    st.LaunchSettings(Path("/r"), sink=4, recent=16, hot_requests=8).export(env)
+    assert env == {st.ENV_ROTATIONS: "/r", st.ENV_SINK: "4", st.ENV_RECENT: "16", st.ENV_HOT_REQUESTS: "8"}
+    assert st.LaunchSettings.from_env(env) == st.LaunchSettings(Path("/r"), 4, 16, 8)
+    # unset overrides are removed, not left over from an earlier launch
+    st.LaunchSettings(Path("/r")).export(env)
+    assert env == {st.ENV_ROTATIONS: "/r"}
+    assert st.LaunchSettings.from_env(env) == st.LaunchSettings(Path("/r"))
+
+
+def test_settings_refuse_bad_values():
+    with pytest.raises(st.OscarConfigError, match="oscar-calibrate --model MODEL --out DIR"):
+        st.LaunchSettings.from_env({})
+    with pytest.raises(st.OscarConfigError, match="is not an integer"):
+        st.LaunchSettings.from_env({st.ENV_ROTATIONS: "/r", st.ENV_SINK: "four"})
+    with pytest.raises(st.OscarConfigError, match="must be >= 0"):
+        st.LaunchSettings.from_env({st.ENV_ROTATIONS: "/r", st.ENV_HOT_REQUESTS: "-2"})
+
+
+def test_kv_budget_knob():
+    assert st.kv_budget_bytes({}) is None
+    assert st.kv_budget_bytes({st.ENV_KV_BUDGET: "1073741824"}) == 2**30
+    with pytest.raises(st.OscarConfigError, match="must be > 0"):
+        st.kv_budget_bytes({st.ENV_KV_BUDGET: "0"})
