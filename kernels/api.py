@@ -18,6 +18,15 @@ from .layout import LayerRotation, LayerStore
 BACKENDS = ("auto", "torch", "triton")
 
 
+def triton_unsupported(head_dim: int, group_size: int) -> str | None:
+    """Why the Triton kernels cannot serve this shape, or None when they can."""
+    if head_dim < 64 or head_dim & (head_dim - 1):
+        return f"the Triton kernels need a power-of-two head_dim >= 64, got {head_dim}"
+    if group_size < 4 or group_size & (group_size - 1):
+        return f"the Triton write kernel needs a power-of-two group size, got {group_size}"
+    return None
+
+
 def _op(name: str, backend: str, device: torch.device):
     """The module implementing op ``name`` for this backend and device."""
     if backend not in BACKENDS:

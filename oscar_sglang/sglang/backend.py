@@ -12,8 +12,10 @@ which slots left their recent window).  Per layer:
 * extend (prefill) attends to the exact new tokens plus the cached prefix as
   stored.
 
-The numerics are those of ``oscar_sglang.kernels`` (plain-torch reference on
-CPU, following ``TorchNativeAttnBackend``'s structure).  CUDA graphs are not
+The numerics are those of ``oscar_sglang.kernels``: the Triton kernels on
+CUDA, the plain-torch reference on CPU (``pool.kernel_backend``, "auto" by
+default).  The host-side lengths SGLang already holds bound the kernels'
+grids, so no pass synchronises on device lengths.  CUDA graphs are not
 supported yet; the plugin disables them with this backend.
 """
 
@@ -28,7 +30,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from oscar_sglang.kernels import api as kernels
 
-from .pool import KERNEL_BACKEND, OscarInt2Pool
+from .pool import OscarInt2Pool
 
 
 _EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -39,8 +41,9 @@ class ForwardMetadata:
     """Per-pass state shared by all layers."""
 
     hot_loc: torch.Tensor            # [new tokens] hot entry or -1
-    prefix_lens: torch.Tensor | None  # [batch] extend only
-    extend_lens: torch.Tensor | None  # [batch] extend only
+    prefix_lens: torch.Tensor | None  # [batch] extend only, on the device
+    extend_lens: torch.Tensor | None  # [batch] extend only, on the device
+    max_len: int                      # longest sequence (decode) or extension (extend), from host lists
 
 
 class OscarInt2AttnBackend(AttentionBackend):
@@ -69,16 +72,20 @@ class OscarInt2AttnBackend(AttentionBackend):
             seq = _host_list(forward_batch.seq_lens_cpu, forward_batch.seq_lens)
             prefix = [n - 1 for n in seq]
             prefix_t = extend_t = None
+            max_len = max(seq, default=0)
         elif mode in _EXTEND_MODES:
             prefix = list(forward_batch.extend_prefix_lens_cpu)
             ext = list(forward_batch.extend_seq_lens_cpu)
             seq = [p + e for p, e in zip(prefix, ext)]
-            prefix_t, extend_t = torch.tensor(prefix), torch.tensor(ext)
+            device = forward_batch.out_cache_loc.device
+            prefix_t = torch.tensor(prefix, dtype=torch.int64, device=device)
+            extend_t = torch.tensor(ext, dtype=torch.int64, device=device)
+            max_len = max(ext, default=0)
         else:
             raise NotImplementedError(f"the oscar_int2 attention backend does not serve forward mode {mode.name}")
         hot_loc = self.pool.begin_pass(forward_batch.out_cache_loc, forward_batch.req_pool_indices, prefix, seq,
                                        self.req_to_token)
-        self.forward_metadata = ForwardMetadata(hot_loc, prefix_t, extend_t)
+        self.forward_metadata = ForwardMetadata(hot_loc, prefix_t, extend_t, max_len)
 
     # -- per layer ------------------------------------------------------------
 
@@ -89,7 +96,8 @@ class OscarInt2AttnBackend(AttentionBackend):
         store, rot = self.pool.layer(layer.layer_id)
         md = self.forward_metadata
         o = kernels.extend_attention(q3, k3, v3, store, rot, self.req_to_token, forward_batch.req_pool_indices,
-                                     md.prefix_lens, md.extend_lens, layer.scaling, backend=KERNEL_BACKEND)
+                                     md.prefix_lens, md.extend_lens, layer.scaling,
+                                     backend=self.pool.kernel_backend, max_extend_len=md.max_len)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -98,7 +106,8 @@ class OscarInt2AttnBackend(AttentionBackend):
         self._save(layer, forward_batch, k3, v3, save_kv_cache)
         store, rot = self.pool.layer(layer.layer_id)
         o = kernels.decode_attention(q3, store, rot, self.req_to_token, forward_batch.req_pool_indices,
-                                     forward_batch.seq_lens, layer.scaling, backend=KERNEL_BACKEND)
+                                     forward_batch.seq_lens, layer.scaling, backend=self.pool.kernel_backend,
+                                     max_seq_len=self.forward_metadata.max_len)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def support_triton(self):

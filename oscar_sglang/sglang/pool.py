@@ -34,8 +34,8 @@ from .settings import ServingConfig
 
 logger = logging.getLogger(__name__)
 
-# The CPU serving path is the plain-torch reference; the Triton kernels are wired in later.
-KERNEL_BACKEND = "torch"
+# "auto": the Triton kernels on CUDA, the plain-torch reference on CPU (same numerics, tested equal).
+KERNEL_BACKEND = "auto"
 
 
 class OscarInt2Pool(KVCache):
@@ -48,8 +48,13 @@ class OscarInt2Pool(KVCache):
                          start_layer=start_layer, end_layer=end_layer, allocation_label="oscar-int2")
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
         self.config = config
+        self.kernel_backend = KERNEL_BACKEND  # oscar_sglang.kernels.api backend: auto | torch | triton
         self.group_size = config.group_size
         fmt.check_shape(head_dim, self.group_size)
+        reason = kernels.triton_unsupported(head_dim, self.group_size)
+        if reason and torch.device(device).type == "cuda":
+            logger.warning("oscar-int2: %s; serving with the plain-torch path (slow)", reason)
+            self.kernel_backend = "torch"
         self.num_slots = size + page_size
         if hot is None:
             hot = sizing.hot_plan(config.hot_requests, config.sink, config.recent, size)
@@ -115,7 +120,7 @@ class OscarInt2Pool(KVCache):
         store, rot = self.layer(layer_id)
         k = k.reshape(-1, self.head_num, self.head_dim)
         v = v.reshape(-1, self.head_num, self.head_dim)
-        kernels.write_kv(k, v, loc, store, rot, hot_loc, backend=KERNEL_BACKEND)
+        kernels.write_kv(k, v, loc, store, rot, hot_loc, backend=self.kernel_backend)
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, *args, **kwargs) -> None:
         """SGLang's generic write door: a cold write (INT2 only); the slots drop any old BF16 copy."""

@@ -1,0 +1,167 @@
+"""The ``oscar_int2`` attention backend, driven as SGLang drives it, through both kernel paths.
+
+Two pools with the same random rotations serve the same passes (a prefill,
+a second request extending the first one's cached prefix while the first
+decodes, then decode steps): one through the plain-torch reference, one
+through the Triton kernels (compiled on CUDA, Triton's interpreter on CPU).
+Both must agree with each other and with an independent dense computation:
+softmax attention of the *unrotated* query over the stored rows mapped back
+to the model's space (``x' R^T + mu``), BF16 where hot and INT2 elsewhere.
+This is what proves the backend hands the kernels device tensors, lengths and
+tuning arguments they accept, on the path the server takes on a GPU.
+"""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+pytest.importorskip("sglang")
+
+from kernel_device import DEVICE  # noqa: E402  (enables the interpreter on CPU)
+
+from oscar_sglang import artifacts as art  # noqa: E402
+from oscar_sglang.kernels.common.reference import read_rotated  # noqa: E402
+from oscar_sglang.rotation import unrotate_kv  # noqa: E402
+
+QH, KVH, D, G, LAYERS = 4, 2, 64, 32, 2
+SINK, RECENT = 2, 5
+FP = art.ModelFingerprint(architecture="LlamaForCausalLM", num_layers=LAYERS, hidden_size=QH * D,
+                          num_attention_heads=QH, num_kv_heads=KVH, head_dim=D, vocab_size=100,
+                          rope_type="default", rope_theta=1e4)
+
+
+def _artifacts():
+    g = torch.Generator().manual_seed(1)
+
+    def orth():
+        return torch.stack([torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]
+                            for _ in range(KVH)]).float()
+
+    layers = [art.LayerRotation(orth(), orth(), 0.3 * torch.randn(KVH, D, generator=g), torch.tensor([0.9, 1.0]),
+                                torch.tensor([1.0, 0.85])) for _ in range(LAYERS)]
+    return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=G)
+
+
+def _backend(kernel_backend):
+    from oscar_sglang.sglang.backend import OscarInt2AttnBackend
+    from oscar_sglang.sglang.pool import OscarInt2Pool
+    from oscar_sglang.sglang.settings import ServingConfig
+
+    cfg = ServingConfig(_artifacts(), SINK, RECENT, hot_requests=2)
+    pool = OscarInt2Pool(128, 1, torch.bfloat16, head_num=KVH, head_dim=D, layer_num=LAYERS, device=DEVICE,
+                         config=cfg, start_layer=0, end_layer=LAYERS)
+    pool.kernel_backend = kernel_backend
+    req_to_token = torch.zeros(4, 64, dtype=torch.int32, device=DEVICE)
+    runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
+                             device=DEVICE)
+    return OscarInt2AttnBackend(runner)
+
+
+def _layer(i):
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    return SimpleNamespace(layer_id=i, qk_head_dim=D, v_head_dim=D, tp_q_head_num=QH, tp_k_head_num=KVH,
+                           tp_v_head_num=KVH, scaling=D ** -0.5, is_cross_attention=False,
+                           attn_type=AttentionType.DECODER, sliding_window_size=None, logit_cap=0.0)
+
+
+def _passes():
+    """(mode, [(request row, prefix len, new slots)]) in the order SGLang would run them."""
+    a = list(range(1, 40))
+    b = list(range(60, 80))
+    return [
+        ("extend", [(0, 0, a[:23])]),                                  # A: prefill 23 tokens
+        ("decode", [(0, 23, [a[23]])]),                                # A decodes
+        ("extend", [(1, 12, b[:9]), (0, 24, [a[24]])]),               # B extends A's first 12 tokens; A decodes
+        ("decode", [(0, 25, [a[25]]), (1, 21, [b[9]])]),              # both decode
+        ("decode", [(0, 26, [a[26]]), (1, 22, [b[10]])]),
+    ]
+
+
+def _dense(backend, layer_id, q, rows, lens):
+    """Independent reference: unrotated attention over the stored rows of each request (last token's query)."""
+    store, rot = backend.pool.layer(layer_id)
+    out = []
+    for b, (row, n) in enumerate(zip(rows, lens)):
+        slots = backend.req_to_token[row, :n]
+        k, v = read_rotated(store, slots)
+        k = unrotate_kv(k, rot.k_rot, rot.k_mean).float().repeat_interleave(QH // KVH, dim=1)
+        v = unrotate_kv(v, rot.v_rot).float().repeat_interleave(QH // KVH, dim=1)
+        logits = torch.einsum("hd,thd->ht", q[b].float(), k) * D ** -0.5
+        out.append(torch.einsum("ht,thd->hd", logits.softmax(-1), v))
+    return torch.stack(out)
+
+
+def _run(kernel_backend, seed=0):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    backend = _backend(kernel_backend)
+    g = torch.Generator().manual_seed(seed)
+    outputs, dense = [], []
+    for mode, reqs in _passes():
+        rows = [r for r, _, _ in reqs]
+        for r, n0, slots in reqs:
+            backend.req_to_token[r, n0:n0 + len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        if reqs and mode == "extend" and reqs[0][0] == 1:            # B's cached prefix is A's first 12 slots
+            backend.req_to_token[1, :12] = backend.req_to_token[0, :12]
+        seq = [n0 + len(s) for _, n0, s in reqs]
+        loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64, device=DEVICE)
+        fb = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND if mode == "extend" else ForwardMode.DECODE,
+            out_cache_loc=loc, req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
+            seq_lens=torch.tensor(seq, dtype=torch.int64, device=DEVICE), seq_lens_cpu=torch.tensor(seq),
+            extend_prefix_lens_cpu=[n0 for _, n0, _ in reqs], extend_seq_lens_cpu=[len(s) for _, _, s in reqs])
+        backend.init_forward_metadata(fb)
+        n = loc.numel()
+        for layer_id in range(LAYERS):
+            q = torch.randn(n, QH * D, generator=g).to(torch.bfloat16).to(DEVICE)
+            k = torch.randn(n, KVH * D, generator=g).to(torch.bfloat16).to(DEVICE)
+            v = torch.randn(n, KVH * D, generator=g).to(torch.bfloat16).to(DEVICE)
+            fwd = backend.forward_extend if mode == "extend" else backend.forward_decode
+            o = fwd(q, k, v, _layer(layer_id), fb).float().reshape(n, QH, D)
+            outputs.append(o.cpu())
+            if mode == "decode":
+                dense.append((o.cpu(), _dense(backend, layer_id, q.reshape(n, QH, D), rows, seq).cpu()))
+    return outputs, dense, backend
+
+
+def test_backend_triton_and_torch_paths_agree_with_dense_attention():
+    torch_out, torch_dense, tb = _run("torch")
+    triton_out, triton_dense, rb = _run("triton")
+    assert len(torch_out) == len(triton_out) == 2 * len(_passes())
+    for a, b in zip(torch_out, triton_out):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)   # both cast the output to bf16
+    for o, ref in torch_dense + triton_dense:
+        torch.testing.assert_close(o, ref, atol=2e-2, rtol=2e-2)
+    # the stores hold the same codes; hot copies exactly at sink and recent positions of live requests
+    for layer_id in range(LAYERS):
+        s1, _ = tb.pool.layer(layer_id)
+        s2, _ = rb.pool.layer(layer_id)
+        mismatched = (s1.k_codes != s2.k_codes).float().mean().item()
+        assert mismatched <= 1e-3
+    for row, n in ((0, 27), (1, 23)):
+        slots = rb.req_to_token[row, :n].long()
+        hot = (rb.pool.hot_index[slots] >= 0).cpu()
+        want = (torch.arange(n) < SINK) | (torch.arange(n) >= n - RECENT)
+        assert torch.equal(hot, want), row
+
+
+def test_backend_refuses_a_foreign_pool():
+    from oscar_sglang.sglang.backend import OscarInt2AttnBackend
+
+    runner = SimpleNamespace(token_to_kv_pool=object(), req_to_token_pool=None, device="cpu")
+    with pytest.raises(RuntimeError, match="needs --kv-cache-dtype oscar-int2"):
+        OscarInt2AttnBackend(runner)
+
+
+def test_shapes_the_triton_kernels_refuse_fall_back_by_rule():
+    from oscar_sglang.kernels import api
+
+    assert api.triton_unsupported(64, 64) is None and api.triton_unsupported(128, 32) is None
+    assert "head_dim >= 64" in api.triton_unsupported(32, 32)
+    assert "power-of-two head_dim" in api.triton_unsupported(96, 32)
+    assert "group size" in api.triton_unsupported(64, 2)
