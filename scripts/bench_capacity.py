@@ -185,7 +185,14 @@ def write_report(rows: list[dict], args) -> None:
     cmd = "python scripts/bench_capacity.py" + (
         f" --budget-gib {args.budget_gib[0]:g} {args.budget_gib[1]:g}" if tuple(args.budget_gib) != (6.0, 2.0) else "")
     (args.out / "capacity.json").write_text(json.dumps({"date": date, "command": cmd, "rows": rows}, indent=2))
-    lines = [f"Measured {date} with `{cmd}` (2-core CPU machine, SGLang 0.5.23 CPU engine).", "",
+    lines = ["# KV capacity and CPU decode speed: oscar-int2 vs BF16 on the real SGLang server", "",
+             "Two servers per geometry, one after the other, with the same fixed KV memory budget "
+             "(`OSCAR_SGLANG_KV_BUDGET_BYTES`); capacity is what each server reports "
+             "(`/get_server_info` `max_total_num_tokens`). The INT2 budget also pays for the BF16 hot side "
+             "pool (32 requests x (64 sink + 256 recent + bursts)), so the ratio grows towards the format's "
+             "with the budget: `ratio = format ratio x (1 - hot pool / budget)`. 'predicted' is that byte "
+             "math (`oscar_sglang/sglang/sizing.py`), an independent check of what SGLang reported.", "",
+             f"Measured {date} with `{cmd}` (2-core CPU machine, SGLang 0.5.23 CPU engine).", "",
              "| geometry | budget | BF16 tokens | INT2 tokens | ratio | goal | format ratio | predicted INT2 | "
              "hot pool |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -202,7 +209,8 @@ def write_report(rows: list[dict], args) -> None:
             lines.append(f"| {r['geometry']} | {b['batch']} | {b['tok_per_s']:.1f} | {i['tok_per_s']:.1f} | "
                          f"{i['tok_per_s'] / b['tok_per_s']:.2f} |")
     lines += ["", "INT2 startup lines:", ""] + [f"- {r['geometry']}: `{r['int2']['startup_line']}`" for r in rows]
-    (args.out / "capacity_table.md").write_text("\n".join(lines) + "\n")
+    lines += ["", "![capacity](capacity.png)"]
+    (args.out / "capacity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
         plot(rows, args.out / "capacity.png")
