@@ -29,6 +29,9 @@ def test_window_plan_extend_and_decode():
     assert p.new_len.tolist() == [6] * 6 + [11]
     # request 1 (decode 10 -> 11): position 6 leaves the window [7, 11)
     assert list(zip(p.leave_req.tolist(), p.leave_pos.tolist())) == [(1, 6)]
+    # cached tokens that stay in a window: request 1 keeps its sinks and 7..9, request 2 (no new token) all 5
+    kept = list(zip(p.keep_req.tolist(), p.keep_pos.tolist()))
+    assert kept == [(1, 0), (1, 1), (1, 7), (1, 8), (1, 9), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4)]
 
 
 def test_window_plan_chunk_on_prefix():
@@ -68,16 +71,56 @@ def test_hot_set_ring_eviction_costs_precision_only():
     assert all(hs.owner[e] == s for s, e in enumerate(hs.hot_index.tolist()) if e >= 0)
 
 
+def test_hot_plan_keeps_every_window_of_its_requests_through_a_prefill_burst():
+    """R requests decoding in lockstep keep their whole windows hot, also while another request prefills."""
+    R, S, W = 3, 2, 4
+    plan = sizing.hot_plan(R, S, W)
+    hs = HotSet(num_slots=400, sink_entries=plan.sink_entries, recent_entries=plan.recent_entries, sink=S, recent=W)
+    slots = {}  # request -> slot per position
+    next_slot = iter(range(400))
+
+    def run(reqs):
+        """reqs: [(request, new tokens)]; one forward pass."""
+        prefix = [len(slots.get(r, [])) for r, _ in reqs]
+        seq = [p + n for p, (_, n) in zip(prefix, reqs)]
+        plan_ = window_plan(prefix, seq, S, W)
+        new = []
+        for r, n in reqs:
+            mine = slots.setdefault(r, [])
+            mine += [next(next_slot) for _ in range(n)]
+            new += mine[-n:]
+        leaving = torch.tensor([slots[reqs[b][0]][p] for b, p in zip(plan_.leave_req.tolist(),
+                                                                     plan_.leave_pos.tolist())], dtype=torch.long)
+        kept = torch.tensor([slots[reqs[b][0]][p] for b, p in zip(plan_.keep_req.tolist(),
+                                                                  plan_.keep_pos.tolist())], dtype=torch.long)
+        hs.update(torch.tensor(new), plan_.new_pos, plan_.new_len, leaving, kept)
+
+    def hot_exactly_at_windows(r):
+        n = len(slots[r])
+        hot = hs.hot_index[torch.tensor(slots[r])] >= 0
+        return torch.equal(hot, (torch.arange(n) < S) | (torch.arange(n) >= n - W))
+
+    run([(r, 10) for r in range(R)])                      # R prompts prefilled together
+    for _ in range(7):
+        run([(r, 1) for r in range(R)])                   # lockstep decode
+    for burst in range(2):                                # a 30-token prefill joins while the R decode
+        run([(r, 1) for r in range(R)] + [(f"new{burst}", 30)])
+        assert all(hot_exactly_at_windows(r) for r in range(R))
+        for _ in range(6):                                # the newcomer finishes; the R go on
+            run([(r, 1) for r in range(R)])
+            assert all(hot_exactly_at_windows(r) for r in range(R))
+
+
 def test_sizing_int2_cell_and_hot_plan():
     # SmolLM2: 30 layers, 3 KV heads, d 64, G 64: a row is 16 B of codes + 4 B of scale/zero
     assert sizing.int2_bytes_per_token(30, 3, 64, 64) == 30 * 2 * 3 * 20 == 3600
     assert sizing.int2_bytes_per_token(30, 3, 64, 32) == 30 * 2 * 3 * (16 + 8)
     assert sizing.bf16_bytes_per_token(30, 3, 64) == 30 * 2 * 3 * 64 * 2 == 23040
-    # 32 requests, sink 64, recent 256: one sink window each; one recent window each + a quarter for bursts
+    # 32 requests, sink 64, recent 256: one window of each kind per request + a quarter for bursts
     plan = sizing.hot_plan(32, 64, 256)
-    assert (plan.sink_entries, plan.recent_entries) == (32 * 64, 32 * 256 + 8 * 256)
+    assert (plan.sink_entries, plan.recent_entries) == (40 * 64, 40 * 256)
     assert plan.nbytes(30, 3, 64) == plan.entries * 23040
-    assert sizing.hot_plan(1, 4, 16) == sizing.HotPlan(4, 32)          # the burst share is at least a window
+    assert sizing.hot_plan(1, 4, 16) == sizing.HotPlan(8, 32)          # the burst share is at least a window
     assert sizing.hot_plan(32, 64, 256, max_tokens=1000) == sizing.HotPlan(1000, 1000)
     assert sizing.hot_plan(0, 64, 256).entries == sizing.hot_plan(8, 0, 0).entries == 0
     with pytest.raises(ValueError):
@@ -176,7 +219,7 @@ def test_pool_layout_matches_the_kernel_contract(pool):
         store.check()
         r.check(2, 32)
         assert store.hot_index is pool.hot_index
-    assert pool.k_hot.shape[1] == pool.hot.entries == 4 * SINK + 4 * RECENT + RECENT
+    assert pool.k_hot.shape[1] == pool.hot.entries == 5 * SINK + 5 * RECENT
     with pytest.raises(RuntimeError, match="no dense K/V buffer"):
         pool.get_key_buffer(0)
 

@@ -1,11 +1,19 @@
 """Bookkeeping of the BF16 hot side pool: which slot owns which entry (DESIGN.md invariant 2).
 
 The side pool has ``entries`` rows shared by all layers and split into two
-rings: a **sink** region for the first ``sink`` positions of each sequence and
-a **recent** region for the last ``recent`` positions.  ``hot_index[slot]``
+regions: a **sink** region for the first ``sink`` positions of each sequence
+and a **recent** region for the last ``recent`` positions.  ``hot_index[slot]``
 is the slot's entry or -1; ``owner[entry]`` is the slot holding the entry or
 -1.  Handing out an entry evicts its previous owner (that slot is then read
 from INT2: precision lost, never data, because INT2 is always written).
+
+Eviction is least-recently-used, where "used" means "in the window of a
+request of this forward pass": every pass stamps the entries of its
+requests' sink and recent windows, and new tokens take free entries first,
+then the entries stamped longest ago (those of finished or waiting
+requests).  So while the running requests' windows fit in a region, a
+prefill burst or a newly admitted request never takes a running request's
+hot rows.
 
 Per forward pass, :meth:`HotSet.update` applies, in order:
 
@@ -13,12 +21,14 @@ Per forward pass, :meth:`HotSet.update` applies, in order:
    a freed token's BF16 row);
 2. slots that left their request's recent window drop their entries, so a
    request reads BF16 exactly at positions ``< sink`` and ``>= len - recent``
-   whatever the rest of the traffic (as long as the rings are big enough);
-3. new tokens at sink positions get sink entries, new tokens in the recent
-   window get recent entries.
+   whatever the rest of the traffic (as long as the regions are big enough);
+3. the entries of the tokens that stay in the batch's windows are stamped;
+4. new tokens at sink positions get sink entries, new tokens in the recent
+   window get recent entries (free or least recently used first).
 
 The returned ``hot_loc`` (entry per new token or -1) is what the write path
-copies the rotated BF16 rows to, in every layer.  Plain torch, no SGLang.
+copies the rotated BF16 rows to, in every layer.  Plain torch, no host sync,
+no SGLang.
 """
 
 from __future__ import annotations
@@ -34,13 +44,17 @@ class WindowPlan:
 
     ``new_pos[n]``: position of each new token; ``new_len[n]``: its request's
     length after the pass; ``leave_req``/``leave_pos``: request row (index into
-    the batch) and position of tokens that left the recent window.
+    the batch) and position of tokens that left the recent window;
+    ``keep_req``/``keep_pos``: cached tokens that stay in a window (sink or
+    recent) after the pass.
     """
 
     new_pos: torch.Tensor
     new_len: torch.Tensor
     leave_req: torch.Tensor
     leave_pos: torch.Tensor
+    keep_req: torch.Tensor
+    keep_pos: torch.Tensor
 
 
 def window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, recent: int) -> WindowPlan:
@@ -48,9 +62,10 @@ def window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, recent: 
 
     Tokens that left the window are those at positions
     ``[max(sink, prefix - recent), min(prefix, seq - recent))``: in the window
-    before the pass, outside it after.
+    before the pass, outside it after.  Tokens kept are the cached ones at
+    ``[0, min(sink, prefix))`` and ``[max(sink, seq - recent), prefix)``.
     """
-    new_pos, new_len, leave_req, leave_pos = [], [], [], []
+    new_pos, new_len, leave_req, leave_pos, keep_req, keep_pos = [], [], [], [], [], []
     for b, (n0, n1) in enumerate(zip(prefix_lens, seq_lens)):
         if n1 < n0:
             raise ValueError(f"request {b}: sequence length {n1} is below its prefix length {n0}")
@@ -60,23 +75,22 @@ def window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, recent: 
         if hi > lo:
             leave_pos.append(torch.arange(lo, hi))
             leave_req.append(torch.full((hi - lo,), b))
+        for k0, k1 in ((0, min(sink, n0)), (max(sink, n1 - recent), n0)):
+            if k1 > k0:
+                keep_pos.append(torch.arange(k0, k1))
+                keep_req.append(torch.full((k1 - k0,), b))
 
     def cat(parts):
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    return WindowPlan(cat(new_pos), cat(new_len), cat(leave_req), cat(leave_pos))
+    return WindowPlan(cat(new_pos), cat(new_len), cat(leave_req), cat(leave_pos), cat(keep_req), cat(keep_pos))
 
 
-class _Ring:
-    """A contiguous range of entries handed out round-robin."""
+class _Region:
+    """A contiguous range of entries handed out free-first, then least recently used."""
 
     def __init__(self, start: int, size: int):
-        self.start, self.size, self.next = start, size, 0
-
-    def take(self, n: int, device) -> torch.Tensor:
-        offsets = (self.next + torch.arange(n, device=device)) % self.size
-        self.next = (self.next + n) % self.size
-        return self.start + offsets
+        self.start, self.size = start, size
 
 
 class HotSet:
@@ -90,8 +104,11 @@ class HotSet:
         self.entries = sink_entries + recent_entries
         self.hot_index = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
         self.owner = torch.full((self.entries,), -1, dtype=torch.long, device=device)
-        self._sink_ring = _Ring(0, sink_entries)
-        self._recent_ring = _Ring(sink_entries, recent_entries)
+        # pass number an entry was last in a batch's window; -1 = free
+        self.stamp = torch.full((self.entries,), -1, dtype=torch.long, device=device)
+        self.clock = 0
+        self._sink_region = _Region(0, sink_entries)
+        self._recent_region = _Region(sink_entries, recent_entries)
 
     @property
     def device(self) -> torch.device:
@@ -101,42 +118,55 @@ class HotSet:
         """Slots lose their entries (if any); the entries become free."""
         if slots.numel() == 0:
             return
-        slots = slots.long()
+        slots = slots.to(self.device).long()
         entry = self.hot_index[slots].long()
-        held = entry >= 0
-        self.owner[entry[held]] = -1
+        held = entry[entry >= 0]
+        self.owner[held] = -1
+        self.stamp[held] = -1
         self.hot_index[slots] = -1
 
-    def _assign(self, slots: torch.Tensor, ring: _Ring) -> torch.Tensor:
-        """Give each slot an entry of ``ring`` (only the last ``ring.size`` if more); returns entries or -1."""
+    def touch(self, slots: torch.Tensor) -> None:
+        """Stamp the entries of ``slots`` (those holding one) as used by this pass."""
+        if slots.numel() == 0:
+            return
+        entry = self.hot_index[slots.to(self.device).long()].long()
+        self.stamp[entry[entry >= 0]] = self.clock
+
+    def _assign(self, slots: torch.Tensor, region: _Region) -> torch.Tensor:
+        """Give each slot an entry of ``region`` (only the last ``region.size`` if more); returns entries or -1."""
         out = torch.full((slots.numel(),), -1, dtype=torch.long, device=self.device)
-        n = min(slots.numel(), ring.size)
+        n = min(slots.numel(), region.size)
         if n == 0:
             return out
         slots = slots[-n:].long()
-        entries = ring.take(n, self.device)
+        stamps = self.stamp[region.start:region.start + region.size]
+        entries = region.start + torch.argsort(stamps, stable=True)[:n]
         prev = self.owner[entries]
         evicted = prev[prev >= 0]
         still = self.hot_index[evicted].long() == entries[prev >= 0]
         self.hot_index[evicted[still]] = -1
         self.owner[entries] = slots
+        self.stamp[entries] = self.clock
         self.hot_index[slots] = entries.to(torch.int32)
         out[-n:] = entries
         return out
 
     def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
-               leaving_slots: torch.Tensor) -> torch.Tensor:
+               leaving_slots: torch.Tensor, kept_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Apply one forward pass (see the module docstring); returns ``hot_loc`` int64 ``[n]``."""
+        self.clock += 1
         new_slots = new_slots.to(self.device).long()
         new_pos = new_pos.to(self.device)
         new_len = new_len.to(self.device)
         self.release(new_slots)
-        self.release(leaving_slots.to(self.device))
+        self.release(leaving_slots)
+        if kept_slots is not None:
+            self.touch(kept_slots)
         hot_loc = torch.full((new_slots.numel(),), -1, dtype=torch.long, device=self.device)
         is_sink = new_pos < self.sink
         is_recent = ~is_sink & (new_pos >= new_len - self.recent)
-        for mask, ring in ((is_sink, self._sink_ring), (is_recent, self._recent_ring)):
+        for mask, region in ((is_sink, self._sink_region), (is_recent, self._recent_region)):
             idx = mask.nonzero().squeeze(-1)
             if idx.numel():
-                hot_loc[idx] = self._assign(new_slots[idx], ring)
+                hot_loc[idx] = self._assign(new_slots[idx], region)
         return hot_loc

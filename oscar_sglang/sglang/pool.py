@@ -105,11 +105,16 @@ class OscarInt2Pool(KVCache):
         ``out_cache_loc``, in request order.
         """
         plan = window_plan(prefix_lens, seq_lens, self.hot.sink, self.hot.recent)
-        leaving = torch.zeros(0, dtype=torch.long, device=self.device)
-        if plan.leave_pos.numel():
-            rows = req_pool_indices.to(self.device).long()[plan.leave_req.to(self.device)]
-            leaving = req_to_token[rows, plan.leave_pos.to(self.device)]
-        return self.hot.update(out_cache_loc, plan.new_pos, plan.new_len, leaving)
+        rows = req_pool_indices.to(self.device).long()
+
+        def slots_at(req, pos):
+            if pos.numel() == 0:
+                return torch.zeros(0, dtype=torch.long, device=self.device)
+            return req_to_token[rows[req.to(self.device)], pos.to(self.device)]
+
+        leaving = slots_at(plan.leave_req, plan.leave_pos)
+        kept = slots_at(plan.keep_req, plan.keep_pos)
+        return self.hot.update(out_cache_loc, plan.new_pos, plan.new_len, leaving, kept)
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               hot_loc: torch.Tensor | None) -> None:

@@ -6,11 +6,12 @@ the per-token cell SGLang divides its memory budget by.
 
 The BF16 hot side pool is a fixed allocation sized by the requests it serves,
 not by the token capacity (DESIGN.md invariant 2): ``hot_requests`` sink
-windows in the sink region, and ``hot_requests`` recent windows plus a
-quarter more for prefill bursts in the recent region.  Its bytes are taken
+windows in the sink region and ``hot_requests`` recent windows in the recent
+region, each plus a quarter more (at least one window) for newly admitted
+requests and prefill bursts.  Its bytes are taken
 off the budget before SGLang divides, so the capacity SGLang reports is what
 really fits.  More running requests than ``hot_requests`` still work: the
-rings evict the oldest hot copies, which are then read from INT2.
+regions evict the least recently used hot copies, which are then read from INT2.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from oscar_sglang import format as fmt
 
 BF16_BYTES = 2
-BURST_SHARE = 4  # the recent region holds hot_requests recent windows + 1/4 of that for prefill bursts
+BURST_SHARE = 4  # each region holds hot_requests windows + 1/4 of that (at least one) for bursts
 
 
 def int2_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, group_size: int) -> int:
@@ -56,16 +57,18 @@ class HotPlan:
 def hot_plan(hot_requests: int, sink: int, recent: int, max_tokens: int | None = None) -> HotPlan:
     """Side-pool regions for ``hot_requests`` concurrent requests with windows ``sink`` and ``recent``.
 
-    Sink region: one sink window per request.  Recent region: one recent
-    window per request plus ``1/BURST_SHARE`` of that (at least one window) for
-    prefill bursts.  Neither region is larger than ``max_tokens`` (the pool
+    Each region: one window per request plus ``1/BURST_SHARE`` of that (at
+    least one window) for newly admitted requests and prefill bursts.  Neither region is larger than ``max_tokens`` (the pool
     cannot hold more live tokens than that).
     """
     if min(hot_requests, sink, recent) < 0:
         raise ValueError("hot requests and windows must be >= 0")
-    sink_entries = hot_requests * sink
-    recent_entries = hot_requests * recent + max(recent, -(-hot_requests * recent // BURST_SHARE)) \
-        if hot_requests and recent else 0
+    def with_bursts(window):
+        if not (hot_requests and window):
+            return 0
+        return hot_requests * window + max(window, -(-hot_requests * window // BURST_SHARE))
+
+    sink_entries, recent_entries = with_bursts(sink), with_bursts(recent)
     if max_tokens is not None:
         sink_entries, recent_entries = min(sink_entries, max_tokens), min(recent_entries, max_tokens)
     return HotPlan(sink_entries, recent_entries)
