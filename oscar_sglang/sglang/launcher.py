@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -133,8 +134,18 @@ def get(url: str, path: str, timeout_s: float = 60) -> dict:
         return json.load(r)
 
 
-def flush_cache(url: str, timeout_s: float = 60) -> None:
-    """Empty the server's radix (prefix) cache; SGLang answers with plain text."""
-    req = urllib.request.Request(url + "/flush_cache", b"", method="POST")
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        r.read()
+def flush_cache(url: str, timeout_s: float = 60, attempts: int = 30) -> None:
+    """Empty the server's radix (prefix) cache.
+
+    SGLang answers with plain text, and refuses (HTTP 400) while requests are
+    still in flight, so this retries once a second.
+    """
+    for _ in range(attempts):
+        req = urllib.request.Request(url + "/flush_cache", b"", method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                r.read()
+                return
+        except urllib.error.HTTPError:
+            time.sleep(1)
+    raise ServerError(f"/flush_cache refused {attempts} times")

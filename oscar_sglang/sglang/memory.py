@@ -113,12 +113,14 @@ def build_mha_kv_pool(original, self, *, max_total_num_tokens, mha_pool_class, q
     cfg = _serving(self)
     if mc.head_dim != mc.v_head_dim:
         raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} needs equal K and V head dims")
-    return OscarInt2Pool(
+    pool = OscarInt2Pool(
         max_total_num_tokens, page_size=self.pool_page_size, dtype=self.kv_cache_dtype,
         head_num=_kv_heads(self), head_dim=mc.head_dim, layer_num=self.layer_info.num_effective_layers,
         device=self.device, config=cfg, hot=hot_plan(cfg, max_total_num_tokens),
         start_layer=self.layer_info.start_layer, end_layer=self.layer_info.end_layer,
     )
+    pool.hot_requests = hot_requests(cfg)  # what the hot pool was sized for (capped by --max-running-requests)
+    return pool
 
 
 def check_pool_and_log(result, self, *args, **kwargs):
@@ -136,15 +138,14 @@ def check_pool_and_log(result, self, *args, **kwargs):
 
 
 def summary_line(pool, capacity_tokens: int) -> str:
-    """The startup line: method, bits per element, windows, hot pool, capacity and its ratio to BF16."""
+    """The startup line: method, bits per element, windows, capacity, bytes per token and the hot pool."""
     cfg = pool.config
     layers, h, d = pool.layer_num, pool.head_num, pool.head_dim
     int2 = sizing.int2_bytes_per_token(layers, h, d, cfg.group_size)
+    bf16 = sizing.bf16_bytes_per_token(layers, h, d)
     hot_bytes = pool.hot.entries * sizing.hot_bytes_per_entry(layers, h, d)
-    total = capacity_tokens * int2 + hot_bytes
-    ratio = capacity_tokens / (total / sizing.bf16_bytes_per_token(layers, h, d))
     return (f"oscar-int2 KV cache: method={cfg.artifacts.method}, {cfg.bits_per_element:g} bits/element "
             f"(group {cfg.group_size}), sink={cfg.sink}, recent={cfg.recent}, "
-            f"hot entries={pool.hot.entries} ({pool.hot_requests} requests, {hot_bytes / 2**20:.1f} MiB), "
-            f"KV capacity={capacity_tokens} tokens ({int2} B/token; {total / 2**20:.1f} MiB in all: "
-            f"{ratio:.2f}x the tokens of BF16 in the same memory)")
+            f"KV capacity={capacity_tokens} tokens at {int2} B/token (BF16: {bf16} B/token, "
+            f"{bf16 / int2:.1f}x), plus a BF16 hot pool of {pool.hot.entries} entries for "
+            f"{pool.hot_requests} requests ({hot_bytes / 2**20:.1f} MiB)")
