@@ -23,10 +23,16 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: LayerRotation, req
     out = torch.zeros_like(qr)
     lens = seq_lens.tolist()
     reqs = req_pool_indices.tolist()
-    for b in range(bsz):
-        if lens[b] == 0:
-            continue
-        k, v = read_rotated(store, req_to_token[reqs[b], : lens[b]])
+    live = [b for b in range(bsz) if lens[b] > 0]
+    if not live:
+        return derotate_output(out, rot.v_rot).to(q.dtype)
+    # one read of every live request's rows (fewer, larger ops than a read per request)
+    slots = torch.cat([req_to_token[reqs[b], : lens[b]] for b in live])
+    k_all, v_all = read_rotated(store, slots)
+    start = 0
+    for b in live:
+        k, v = k_all[start:start + lens[b]], v_all[start:start + lens[b]]
+        start += lens[b]
         k, v = expand_groups(k, q_heads), expand_groups(v, q_heads)  # [T, Hq, d]
         logits = torch.einsum("hd,thd->ht", qr[b], k) * sm_scale
         out[b] = torch.einsum("ht,thd->hd", logits.softmax(-1), v)

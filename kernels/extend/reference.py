@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from oscar_sglang.rotation import derotate_output, rotate_kv, rotate_queries
 
-from ..common.reference import expand_groups, read_rotated
+from ..common.reference import read_rotated
 from ..layout import LayerRotation, LayerStore
 
 
@@ -36,10 +37,10 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         if ext == 0:
             continue
         kp, vp = read_rotated(store, req_to_token[req, :pre])
-        keys = expand_groups(torch.cat([kp, kn[first:first + ext]]), q_heads)  # [pre + ext, Hq, d]
-        vals = expand_groups(torch.cat([vp, vn[first:first + ext]]), q_heads)
-        logits = torch.einsum("ihd,thd->hit", qr[first:first + ext], keys) * sm_scale
+        keys = torch.cat([kp, kn[first:first + ext]]).transpose(0, 1)  # [kv, pre + ext, d]
+        vals = torch.cat([vp, vn[first:first + ext]]).transpose(0, 1)
         seen = torch.arange(pre + ext, device=q.device)[None, :] <= pre + torch.arange(ext, device=q.device)[:, None]
-        logits = logits.masked_fill(~seen, float("-inf"))
-        out[first:first + ext] = torch.einsum("hit,thd->ihd", logits.softmax(-1), vals)
+        o = F.scaled_dot_product_attention(qr[first:first + ext].transpose(0, 1), keys, vals, attn_mask=seen,
+                                           scale=sm_scale, enable_gqa=q_heads != kv)  # [Hq, ext, d]
+        out[first:first + ext] = o.transpose(0, 1)
     return derotate_output(out, rot.v_rot).to(q.dtype)
