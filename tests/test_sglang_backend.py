@@ -147,7 +147,7 @@ def test_backend_triton_and_torch_paths_agree_with_dense_attention():
         slots = rb.req_to_token[row, :n].long()
         hot = (rb.pool.hot_index[slots] >= 0).cpu()
         want = (torch.arange(n) < SINK) | (torch.arange(n) >= n - RECENT)
-        assert torch.equal(hot, want), row
+        assert hot[want].all(), row
 
 
 def test_backend_refuses_a_foreign_pool():

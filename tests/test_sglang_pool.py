@@ -27,44 +27,48 @@ def test_window_plan_extend_and_decode():
     p = window_plan([0, 10, 5], [6, 11, 5], sink=2, recent=4)
     assert p.new_pos.tolist() == [0, 1, 2, 3, 4, 5, 10]
     assert p.new_len.tolist() == [6] * 6 + [11]
-    # request 1 (decode 10 -> 11): position 6 leaves the window [7, 11)
-    assert list(zip(p.leave_req.tolist(), p.leave_pos.tolist())) == [(1, 6)]
-    # cached tokens that stay in a window: request 1 keeps its sinks and 7..9, request 2 (no new token) all 5
+    # cached tokens in a window after the pass: request 1 keeps its sinks and 7..9, request 2 (no new token) all 5
     kept = list(zip(p.keep_req.tolist(), p.keep_pos.tolist()))
     assert kept == [(1, 0), (1, 1), (1, 7), (1, 8), (1, 9), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4)]
 
 
 def test_window_plan_chunk_on_prefix():
-    p = window_plan([8], [12], sink=2, recent=4)  # window [4, 8) before, [8, 12) after
-    assert p.leave_pos.tolist() == [4, 5, 6, 7]
+    p = window_plan([8], [12], sink=2, recent=4)  # window [4, 8) before, [8, 12) after: only sinks stay
+    assert p.keep_pos.tolist() == [0, 1]
+    p = window_plan([8], [10], sink=2, recent=4)  # after: [6, 10)
+    assert p.keep_pos.tolist() == [0, 1, 6, 7]
 
 
-def test_hot_set_assigns_sinks_and_recent_and_releases():
-    hs = HotSet(num_slots=32, sink_entries=2, recent_entries=4, sink=2, recent=4)
+def test_hot_set_assigns_sinks_and_recent_and_keeps_copies_until_needed():
+    hs = HotSet(num_slots=32, sink_entries=2, recent_entries=5, sink=2, recent=4)
     slots = torch.arange(10, 20)
-    loc = hs.update(slots, torch.arange(10), torch.full((10,), 10), torch.zeros(0, dtype=torch.long))
+    loc = hs.update(slots, torch.arange(10), torch.full((10,), 10))
     assert (loc[:2] >= 0).all() and (loc[:2] < 2).all()          # sink region
     assert (loc[2:6] == -1).all()                                 # middle: INT2 only
     assert (loc[6:] >= 2).all()                                   # recent region
     assert torch.equal(hs.hot_index[slots].long(), loc)
-    # the slot of position 6 leaves the window when position 10 is written
-    loc = hs.update(torch.tensor([20]), torch.tensor([10]), torch.tensor([11]), torch.tensor([16]))
-    assert hs.hot_index[16] == -1 and loc.item() >= 2 and hs.hot_index[20] == loc.item()
+    # position 10 is written: 6 leaves the window [7, 11) but keeps its copy while a free entry exists
+    kept = torch.tensor([10, 11, 17, 18, 19])
+    loc = hs.update(torch.tensor([20]), torch.tensor([10]), torch.tensor([11]), kept)
+    assert hs.hot_index[16] >= 0 and loc.item() >= 2 and hs.hot_index[20] == loc.item()
+    # position 11: the region is full, and the entry taken is the out-of-window one (position 6), not 8..10
+    old6 = int(hs.hot_index[16])
+    loc = hs.update(torch.tensor([21]), torch.tensor([11]), torch.tensor([12]), torch.tensor([10, 11, 18, 19, 20]))
+    assert loc.item() == old6 and hs.hot_index[16] == -1 and (hs.hot_index[torch.tensor([18, 19, 20])] >= 0).all()
     # a rewritten slot drops its entry
-    hs.update(torch.tensor([19]), torch.tensor([5]), torch.tensor([30]), torch.zeros(0, dtype=torch.long))
+    hs.update(torch.tensor([19]), torch.tensor([5]), torch.tensor([30]))
     assert hs.hot_index[19] == -1
 
 
 def test_hot_set_ring_eviction_costs_precision_only():
     hs = HotSet(num_slots=16, sink_entries=1, recent_entries=2, sink=1, recent=3)
-    hs.update(torch.tensor([1, 2, 3]), torch.arange(3), torch.full((3,), 3), torch.zeros(0, dtype=torch.long))
+    hs.update(torch.tensor([1, 2, 3]), torch.arange(3), torch.full((3,), 3))
     assert hs.hot_index[1:4].tolist() == [0, 1, 2]
     # a second request's sink takes the only sink entry: the first request's sink falls back to INT2
-    hs.update(torch.tensor([5]), torch.tensor([0]), torch.tensor([1]), torch.zeros(0, dtype=torch.long))
+    hs.update(torch.tensor([5]), torch.tensor([0]), torch.tensor([1]))
     assert hs.hot_index[1] == -1 and hs.hot_index[5] == 0
     # more recent tokens than entries in one pass: only the last ones get entries, no entry is shared
-    loc = hs.update(torch.tensor([8, 9, 10]), torch.tensor([5, 6, 7]), torch.full((3,), 8),
-                    torch.zeros(0, dtype=torch.long))
+    loc = hs.update(torch.tensor([8, 9, 10]), torch.tensor([5, 6, 7]), torch.full((3,), 8))
     assert loc[0] == -1 and sorted(loc[1:].tolist()) == [1, 2]
     held = hs.hot_index[hs.hot_index >= 0].tolist()
     assert len(held) == len(set(held))
@@ -89,26 +93,24 @@ def test_hot_plan_keeps_every_window_of_its_requests_through_a_prefill_burst():
             mine = slots.setdefault(r, [])
             mine += [next(next_slot) for _ in range(n)]
             new += mine[-n:]
-        leaving = torch.tensor([slots[reqs[b][0]][p] for b, p in zip(plan_.leave_req.tolist(),
-                                                                     plan_.leave_pos.tolist())], dtype=torch.long)
         kept = torch.tensor([slots[reqs[b][0]][p] for b, p in zip(plan_.keep_req.tolist(),
                                                                   plan_.keep_pos.tolist())], dtype=torch.long)
-        hs.update(torch.tensor(new), plan_.new_pos, plan_.new_len, leaving, kept)
+        hs.update(torch.tensor(new), plan_.new_pos, plan_.new_len, kept)
 
-    def hot_exactly_at_windows(r):
+    def windows_hot(r):  # copies outside the windows may survive; the windows must be whole
         n = len(slots[r])
         hot = hs.hot_index[torch.tensor(slots[r])] >= 0
-        return torch.equal(hot, (torch.arange(n) < S) | (torch.arange(n) >= n - W))
+        return bool(hot[(torch.arange(n) < S) | (torch.arange(n) >= n - W)].all())
 
     run([(r, 10) for r in range(R)])                      # R prompts prefilled together
     for _ in range(7):
         run([(r, 1) for r in range(R)])                   # lockstep decode
     for burst in range(2):                                # a 30-token prefill joins while the R decode
         run([(r, 1) for r in range(R)] + [(f"new{burst}", 30)])
-        assert all(hot_exactly_at_windows(r) for r in range(R))
+        assert all(windows_hot(r) for r in range(R))
         for _ in range(6):                                # the newcomer finishes; the R go on
             run([(r, 1) for r in range(R)])
-            assert all(hot_exactly_at_windows(r) for r in range(R))
+            assert all(windows_hot(r) for r in range(R))
 
 
 def test_sizing_int2_cell_and_hot_plan():
@@ -244,7 +246,7 @@ def test_pool_reads_live_tokens_exactly_after_sharing_freeing_and_reuse(pool):
         slots = d.req_to_token[row, :n].long()
         hot = pool.hot_index[slots] >= 0
         want_hot = (torch.arange(n) < SINK) | (torch.arange(n) >= n - RECENT)
-        assert torch.equal(hot, want_hot), name
+        assert hot[want_hot].all(), name      # whole windows; older copies may survive until needed
         for layer in range(2):
             store, _ = pool.layer(layer)
             k, v = read_rotated(store, slots)

@@ -10,20 +10,23 @@ from INT2: precision lost, never data, because INT2 is always written).
 Eviction is least-recently-used, where "used" means "in the window of a
 request of this forward pass": every pass stamps the entries of its
 requests' sink and recent windows, and new tokens take free entries first,
-then the entries stamped longest ago (those of finished or waiting
-requests).  So while the running requests' windows fit in a region, a
-prefill burst or a newly admitted request never takes a running request's
-hot rows.
+then the entries stamped longest ago (tokens that left every window, then
+finished or waiting requests' windows).  So while the running requests'
+windows fit in a region, a prefill burst or a newly admitted request never
+takes a running request's hot rows.  A token that leaves its request's
+recent window keeps its BF16 copy until the entry is needed: readers take
+BF16 at every window and wherever a copy survives, which is never less
+precise, and a request that reuses a cached prefix (radix hit) finds the
+prefix's tail still in BF16 unless traffic evicted it meanwhile.
 
 Per forward pass, :meth:`HotSet.update` applies, in order:
 
 1. the slots being written drop their old entries (a reused slot never shows
    a freed token's BF16 row);
-2. slots that left their request's recent window drop their entries, so a
-   request reads BF16 exactly at positions ``< sink`` and ``>= len - recent``
+2. the entries of the cached tokens in the batch's windows are stamped, so a
+   request reads BF16 at least at positions ``< sink`` and ``>= len - recent``
    whatever the rest of the traffic (as long as the regions are big enough);
-3. the entries of the tokens that stay in the batch's windows are stamped;
-4. new tokens at sink positions get sink entries, new tokens in the recent
+3. new tokens at sink positions get sink entries, new tokens in the recent
    window get recent entries (free or least recently used first).
 
 The returned ``hot_loc`` (entry per new token or -1) is what the write path
@@ -43,16 +46,13 @@ class WindowPlan:
     """Positions touched by one forward pass, in token order of the batch.
 
     ``new_pos[n]``: position of each new token; ``new_len[n]``: its request's
-    length after the pass; ``leave_req``/``leave_pos``: request row (index into
-    the batch) and position of tokens that left the recent window;
-    ``keep_req``/``keep_pos``: cached tokens that stay in a window (sink or
-    recent) after the pass.
+    length after the pass; ``keep_req``/``keep_pos``: request row (index into
+    the batch) and position of the cached tokens in a window (sink or recent)
+    after the pass.
     """
 
     new_pos: torch.Tensor
     new_len: torch.Tensor
-    leave_req: torch.Tensor
-    leave_pos: torch.Tensor
     keep_req: torch.Tensor
     keep_pos: torch.Tensor
 
@@ -60,21 +60,15 @@ class WindowPlan:
 def window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, recent: int) -> WindowPlan:
     """Plan for requests extended from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens (host lists).
 
-    Tokens that left the window are those at positions
-    ``[max(sink, prefix - recent), min(prefix, seq - recent))``: in the window
-    before the pass, outside it after.  Tokens kept are the cached ones at
-    ``[0, min(sink, prefix))`` and ``[max(sink, seq - recent), prefix)``.
+    The cached tokens in a window are those at ``[0, min(sink, prefix))`` and
+    ``[max(sink, seq - recent), prefix)``.
     """
-    new_pos, new_len, leave_req, leave_pos, keep_req, keep_pos = [], [], [], [], [], []
+    new_pos, new_len, keep_req, keep_pos = [], [], [], []
     for b, (n0, n1) in enumerate(zip(prefix_lens, seq_lens)):
         if n1 < n0:
             raise ValueError(f"request {b}: sequence length {n1} is below its prefix length {n0}")
         new_pos.append(torch.arange(n0, n1))
         new_len.append(torch.full((n1 - n0,), n1))
-        lo, hi = max(sink, n0 - recent), min(n0, n1 - recent)
-        if hi > lo:
-            leave_pos.append(torch.arange(lo, hi))
-            leave_req.append(torch.full((hi - lo,), b))
         for k0, k1 in ((0, min(sink, n0)), (max(sink, n1 - recent), n0)):
             if k1 > k0:
                 keep_pos.append(torch.arange(k0, k1))
@@ -83,7 +77,7 @@ def window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, recent: 
     def cat(parts):
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    return WindowPlan(cat(new_pos), cat(new_len), cat(leave_req), cat(leave_pos), cat(keep_req), cat(keep_pos))
+    return WindowPlan(cat(new_pos), cat(new_len), cat(keep_req), cat(keep_pos))
 
 
 class _Region:
@@ -152,14 +146,13 @@ class HotSet:
         return out
 
     def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
-               leaving_slots: torch.Tensor, kept_slots: torch.Tensor | None = None) -> torch.Tensor:
+               kept_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Apply one forward pass (see the module docstring); returns ``hot_loc`` int64 ``[n]``."""
         self.clock += 1
         new_slots = new_slots.to(self.device).long()
         new_pos = new_pos.to(self.device)
         new_len = new_len.to(self.device)
         self.release(new_slots)
-        self.release(leaving_slots)
         if kept_slots is not None:
             self.touch(kept_slots)
         hot_loc = torch.full((new_slots.numel(),), -1, dtype=torch.long, device=self.device)

@@ -112,9 +112,8 @@ class OscarInt2Pool(KVCache):
                 return torch.zeros(0, dtype=torch.long, device=self.device)
             return req_to_token[rows[req.to(self.device)], pos.to(self.device)]
 
-        leaving = slots_at(plan.leave_req, plan.leave_pos)
         kept = slots_at(plan.keep_req, plan.keep_pos)
-        return self.hot.update(out_cache_loc, plan.new_pos, plan.new_len, leaving, kept)
+        return self.hot.update(out_cache_loc, plan.new_pos, plan.new_len, kept)
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               hot_loc: torch.Tensor | None) -> None:
