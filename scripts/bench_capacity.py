@@ -220,6 +220,10 @@ def write_report(rows: list[dict], args) -> None:
         for b, i in zip(r["bf16"]["decode"], r["int2"]["decode"]):
             lines.append(f"| {r['geometry']} | {b['batch']} | {b['tok_per_s']:.1f} | {i['tok_per_s']:.1f} | "
                          f"{i['tok_per_s'] / b['tok_per_s']:.2f} | {b['prefill_s']:.1f} | {i['prefill_s']:.1f} |")
+    lines += ["", "On CPU both servers run plain-torch attention (SGLang's torch_native for BF16, the oscar "
+              "backend's torch reference for INT2, which dequantizes every request's rows each step); these "
+              "numbers say the CPU path is usable for tests and demos, not how fast the Triton kernels are "
+              "(docs/KERNELS.md, to be measured on a GPU)."]
     lines += ["", "INT2 startup lines:", ""] + [f"- {r['geometry']}: `{r['int2']['startup_line']}`" for r in rows]
     lines += ["", "![capacity](capacity.png)"]
     (args.out / "capacity.md").write_text("\n".join(lines) + "\n")
