@@ -53,9 +53,9 @@ block.  Each scored token's query reads the whole cached prefix from the pool
 as decoding does, with two differences bounded by ``B``: the block's own
 earlier tokens are attended exactly (decoding reads them as BF16 hot rows;
 they are inside the recent window whenever ``recent > B``), and the hot window
-is planned for the end of the block, so up to ``B`` positions at the old edge
-of the recent window are read as INT2 where decoding would still read BF16
-(slightly pessimistic for INT2).  Also, continuation token 0 is scored by the
+is planned for the end of the block; that costs nothing, because tokens that
+leave the recent window keep their BF16 copy until the side pool needs the
+entry (docs/SGLANG.md), which a few prompts never force.  Also, continuation token 0 is scored by the
 last prompt token's query over the *cached* prompt, as for a request whose
 prompt hits the radix cache; a fresh request gets its first token from the
 exact prefill (``--block 1`` scores it that way).
@@ -472,8 +472,8 @@ def markdown(data: dict) -> str:
            if meta["block"] == 1 else
            f"in teacher-forced blocks of {meta['block']} tokens over the radix-cached prompt and the previous "
            f"blocks, so each scored token's query reads the cached prefix from the pool (BF16 at the sink and "
-           f"recent windows, INT2 elsewhere) as a decode step does, except that up to {meta['block']} positions at the "
-           f"edge of the recent window read INT2 where decoding would read BF16. Token 0 is scored over the "
+           f"recent windows, INT2 elsewhere) as a decode step does (the block's own tokens are attended exactly, "
+           f"where decoding reads their BF16 hot copies). Token 0 is scored over the "
            f"cached prompt too, as when a request's prompt hits the radix cache; a fresh request gets its "
            f"first token from the exact prefill")
         + f". The method is in the script's docstring. Every request's `cached_tokens` was checked against "
@@ -486,7 +486,9 @@ def markdown(data: dict) -> str:
         "i.e. where INT2's own greedy output would first leave BF16's"
         + (" (per prompt; " if meta["block"] == 1 else " with the prompt served from the cache (per prompt; ")
         + "none = agrees on all "
-        f"{n_cont}). INT2 read: how many cached positions a scored token reads from INT2"
+        f"{n_cont}). INT2 read: how many cached positions of a scored token lie outside its sink and recent "
+        "windows (at most that many are read from INT2: a position that left the recent window during the "
+        "continuation keeps its BF16 copy until the side pool needs the entry)"
         + (" (step 0, the prefill, reads none)." if meta["block"] == 1 else "."),
         "",
         "| server | INT2 read | tokens | mean \\|Δ logprob\\| | mean Δ | max \\|Δ\\| | top-1 agreement "
@@ -562,9 +564,8 @@ def markdown(data: dict) -> str:
          "where a decode step reads back its BF16 hot copy (the rotated row rounded to bf16)."
          if meta["block"] == 1 else
          f"* Teacher forcing in blocks of {meta['block']}: the block's own tokens are attended exactly (decoding "
-         "reads them as BF16 hot rows) and up to "
-         f"{meta['block']} positions at the old edge of the recent window are read as INT2 where decoding would "
-         "still read BF16. `--block 1` removes both (token by token, as decoding) at more requests."),
+         "reads them as BF16 hot rows, the rotated rows rounded to bf16). `--block 1` removes that (token by "
+         "token, as decoding) at more requests."),
         "* CPU numerics are batch-shape dependent (docs/SGLANG.md, Concurrency): the noise-floor row shows the "
         "size of that effect on the logprobs.",
         f"* {meta['long_prompts']} prompts x {n_cont} tokens is a few hundred scored tokens: enough to see "
