@@ -366,6 +366,29 @@ def test_int2_chat_completions_answer(int2_run):
     assert chat["choices"][0]["message"]["content"].strip()
 
 
+def test_openai_client_talks_to_the_int2_server(int2_url):
+    """The README's client path: the `openai` package against the INT2 server, chat and completions."""
+    from openai import OpenAI
+
+    url, _ = int2_url
+    client = OpenAI(base_url=url + "/v1", api_key="none")
+    chat = client.chat.completions.create(model="default", temperature=0, max_tokens=12, messages=[
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
+    assert "Paris" in chat.choices[0].message.content
+    done = client.completions.create(model="default", prompt=PROMPTS[0], temperature=0, max_tokens=4)
+    assert done.usage.prompt_tokens > SINK + RECENT and done.choices[0].text.strip()
+
+
+def test_launcher_reports_a_server_that_cannot_start(tmp_path):
+    """A model folder without a model: the launcher raises with the server's own error, not a hang."""
+    from oscar_sglang.sglang.launcher import ServerError
+
+    (tmp_path / "model").mkdir()
+    with pytest.raises(ServerError, match="server exited with"):
+        with local_server(tmp_path / "model", tmp_path / "server.log", *SERVER_FLAGS, timeout_s=300):
+            pass
+
+
 def test_prefix_cache_hit_continues_like_the_uncached_request(int2_url, model_dir):
     """A request whose prompt extends an earlier request's prompt + answer is served from the cache
     and continues exactly like the uncached request that never stopped.
