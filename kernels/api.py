@@ -13,18 +13,9 @@ import importlib
 
 import torch
 
-from .layout import LayerRotation, LayerStore
+from .layout import LayerRotation, LayerStore, triton_unsupported  # noqa: F401  (re-exported for the pool)
 
 BACKENDS = ("auto", "torch", "triton")
-
-
-def triton_unsupported(head_dim: int, group_size: int) -> str | None:
-    """Why the Triton kernels cannot serve this shape, or None when they can."""
-    if head_dim < 64 or head_dim & (head_dim - 1):
-        return f"the Triton kernels need a power-of-two head_dim >= 64, got {head_dim}"
-    if group_size < 4 or group_size & (group_size - 1):
-        return f"the Triton write kernel needs a power-of-two group size, got {group_size}"
-    return None
 
 
 def _op(name: str, backend: str, device: torch.device):

@@ -111,6 +111,19 @@ def require_contiguous(store: LayerStore, rot: LayerRotation) -> None:
                 raise ValueError(f"{name} must be contiguous for the Triton kernels")
 
 
+def triton_unsupported(head_dim: int, group_size: int | None = None) -> str | None:
+    """Why the Triton kernels cannot serve this shape, or None when they can.
+
+    All three kernels need a power-of-two ``head_dim >= 64``; the write kernel
+    also needs a power-of-two ``group_size`` (pass None to skip that check).
+    """
+    if head_dim < 64 or head_dim & (head_dim - 1):
+        return f"the Triton kernels need a power-of-two head_dim >= 64, got {head_dim}"
+    if group_size is not None and (group_size < 4 or group_size & (group_size - 1)):
+        return f"the Triton write kernel needs a power-of-two group size, got {group_size}"
+    return None
+
+
 def _expect(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
         raise ValueError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")

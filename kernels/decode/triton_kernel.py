@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..common.rotate import derotate_output, rotate_queries
 from ..common.triton_helpers import attend_stored_block, load_query_pieces, store_pieces
-from ..layout import LayerRotation, LayerStore, require_contiguous
+from ..layout import LayerRotation, LayerStore, require_contiguous, triton_unsupported
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -113,7 +113,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: LayerRotation, req
     bsz, q_heads, d = q.shape
     kv, g = store.kv_heads, store.group_size
     gq = q_heads // kv
-    assert d >= 64 and d & (d - 1) == 0, f"the Triton kernels need a power-of-two head_dim >= 64, got {d}"
+    assert (problem := triton_unsupported(d)) is None, problem
     assert req_to_token.stride(1) == 1, "req_to_token rows must be contiguous"
     if bsz == 0:
         return torch.zeros_like(q)

@@ -19,7 +19,7 @@ from oscar_sglang.rotation import rotate_kv
 from ..common.rotate import derotate_output, rotate_queries
 from ..common.triton_helpers import attend_block, attend_stored_block, load_query_pieces, store_pieces
 from ..decode.triton_kernel import DOT_PRECISION, LOG2E
-from ..layout import LayerRotation, LayerStore, require_contiguous
+from ..layout import LayerRotation, LayerStore, require_contiguous, triton_unsupported
 
 
 @triton.jit
@@ -89,7 +89,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     n, q_heads, d = q.shape
     kv, g = store.kv_heads, store.group_size
     gq = q_heads // kv
-    assert d >= 64 and d & (d - 1) == 0, f"the Triton kernels need a power-of-two head_dim >= 64, got {d}"
+    assert (problem := triton_unsupported(d)) is None, problem
     assert req_to_token.stride(1) == 1, "req_to_token rows must be contiguous"
     if n == 0:
         return torch.zeros_like(q)

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..common.triton_helpers import bf16_rne, round_half_even
-from ..layout import LayerRotation, LayerStore, require_contiguous
+from ..layout import LayerRotation, LayerStore, require_contiguous, triton_unsupported
 
 
 @triton.jit
@@ -145,8 +145,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
     k = k.reshape(n, kv, d)
     v = v.reshape(n, kv, d)
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "k and v rows must be contiguous"
-    assert d >= 64 and d & (d - 1) == 0, f"the Triton kernels need a power-of-two head_dim >= 64, got {d}"
-    assert g >= 4 and g & (g - 1) == 0, f"the write kernel needs a power-of-two group size, got {g}"
+    assert (problem := triton_unsupported(d, g)) is None, problem
     assert block_t >= 16, "tl.dot needs at least 16 rows"
     _write_kernel[(triton.cdiv(n, block_t), kv)](
         k, v, slots, hot_loc if hot_loc is not None else slots,

@@ -67,17 +67,13 @@ def hot_requests(cfg) -> int:
     return cfg.hot_requests if limit is None else min(cfg.hot_requests, limit)
 
 
-def hot_plan(cfg, max_tokens: int | None = None) -> sizing.HotPlan:
-    return sizing.hot_plan(hot_requests(cfg), cfg.sink, cfg.recent, max_tokens)
-
-
 def compute_cell_size(original, self, kvc, num_layers):
     """Around ``DefaultPoolConfigurator._compute_cell_size``: INT2 bytes per token; notes the hot pool's bytes."""
     if not _is_oscar(kvc):
         return original(self, kvc, num_layers)
     cfg = _serving(kvc)
     h, d = _kv_heads(kvc), kvc.model_config.head_dim
-    self.oscar_hot_bytes = hot_plan(cfg).nbytes(num_layers, h, d)
+    self.oscar_hot_bytes = sizing.hot_plan(hot_requests(cfg), cfg.sink, cfg.recent).nbytes(num_layers, h, d)
     return sizing.int2_bytes_per_token(num_layers, h, d, cfg.group_size)
 
 
@@ -113,14 +109,12 @@ def build_mha_kv_pool(original, self, *, max_total_num_tokens, mha_pool_class, q
     cfg = _serving(self)
     if mc.head_dim != mc.v_head_dim:
         raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} needs equal K and V head dims")
-    pool = OscarInt2Pool(
+    return OscarInt2Pool(
         max_total_num_tokens, page_size=self.pool_page_size, dtype=self.kv_cache_dtype,
         head_num=_kv_heads(self), head_dim=mc.head_dim, layer_num=self.layer_info.num_effective_layers,
-        device=self.device, config=cfg, hot=hot_plan(cfg, max_total_num_tokens),
+        device=self.device, config=cfg, hot_requests=hot_requests(cfg),
         start_layer=self.layer_info.start_layer, end_layer=self.layer_info.end_layer,
     )
-    pool.hot_requests = hot_requests(cfg)  # what the hot pool was sized for (capped by --max-running-requests)
-    return pool
 
 
 def check_pool_and_log(result, self, *args, **kwargs):

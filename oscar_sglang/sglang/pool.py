@@ -42,7 +42,7 @@ class OscarInt2Pool(KVCache):
     """INT2 rows per slot, a BF16 hot side pool, and each layer's rotation state, on the pool's device."""
 
     def __init__(self, size: int, page_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
-                 layer_num: int, device: str, config: ServingConfig, hot: sizing.HotPlan | None = None,
+                 layer_num: int, device: str, config: ServingConfig, hot_requests: int | None = None,
                  start_layer: int | None = None, end_layer: int | None = None):
         super().__init__(size, page_size, dtype, layer_num, device, enable_memory_saver=False,
                          start_layer=start_layer, end_layer=end_layer, allocation_label="oscar-int2")
@@ -56,9 +56,9 @@ class OscarInt2Pool(KVCache):
             logger.warning("oscar-int2: %s; serving with the plain-torch path (slow)", reason)
             self.kernel_backend = "torch"
         self.num_slots = size + page_size
-        if hot is None:
-            hot = sizing.hot_plan(config.hot_requests, config.sink, config.recent, size)
-        self.hot_requests = config.hot_requests
+        # requests whose windows the side pool holds (default: the setting; the server passes it capped)
+        self.hot_requests = config.hot_requests if hot_requests is None else hot_requests
+        hot = sizing.hot_plan(self.hot_requests, config.sink, config.recent, size)
         self.hot = HotSet(self.num_slots, hot.sink_entries, hot.recent_entries, config.sink, config.recent, device)
         self._allocate(layer_num)
         self.rotations = [self._rotation(config, self.start_layer + i) for i in range(layer_num)]
