@@ -90,6 +90,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from oscar_sglang.sglang import launcher  # starts servers in subprocesses; imports no SGLang
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SHORT_PROMPTS = [
@@ -193,22 +195,11 @@ def build_methods(args, model_dir: Path, work: Path) -> dict[str, Path]:
 
 
 def generate(url: str, body: dict):
-    from oscar_sglang.sglang import launcher
-
     return launcher.post(url, "/generate", body, timeout_s=3600)
-
-
-def flush(url: str) -> None:
-    """Empty the radix cache (only done when nothing runs; retried until SGLang confirms)."""
-    from oscar_sglang.sglang import launcher
-
-    launcher.flush_cache(url)
 
 
 @contextmanager
 def server(model_dir: Path, log_path: Path, extra: list[str], max_total_tokens: int):
-    from oscar_sglang.sglang import launcher
-
     t0 = time.time()
     with launcher.local_server(model_dir, log_path, "--max-total-tokens", str(max_total_tokens),
                                "--chunked-prefill-size", "4096", *extra) as url:
@@ -232,7 +223,7 @@ def bf16_continuations(url: str, prompts: list[dict], n: int) -> list[dict]:
     """BF16's greedy continuation of each prompt and its decode logprobs (sequential, batch 1)."""
     out = []
     for i, p in enumerate(prompts):
-        flush(url)
+        launcher.flush_cache(url)
         t0 = time.time()
         r = generate(url, {"input_ids": p["ids"], "return_logprob": True,
                            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
@@ -265,7 +256,7 @@ def teacher_forced(url: str, prompts: list[dict], conts: list[list[int]], block:
     for i, (p, cont) in enumerate(zip(prompts, conts), start=first_index):
         n0 = len(p["ids"])
         t0 = time.time()
-        flush(url)
+        launcher.flush_cache(url)
         rows = []
         if block == 1:
             for j in range(len(cont)):
@@ -335,7 +326,7 @@ def kl_coarse(ref_row: dict, q: dict[int, float]) -> float:
 
 
 def greedy_short(url: str, prompts: list[dict], n: int, batched: bool, log_path: Path) -> dict:
-    flush(url)
+    launcher.flush_cache(url)
     start = len(log_path.read_text(errors="replace"))
     params = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
     t0 = time.time()
@@ -653,7 +644,6 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from oscar_sglang import assets, configs
-    from oscar_sglang.sglang import launcher
 
     model_dir = (args.model or assets.default_model_dir()).resolve()
     work = args.work or Path(tempfile.mkdtemp(prefix="server_accuracy_"))
