@@ -7,10 +7,11 @@
 #
 # CPU variant: sglang==0.5.23 with --no-deps plus its runtime dependencies
 # listed in scripts/requirements-sglang-runtime.txt (its full install pulls
-# CUDA-only kernels that cannot load without a GPU), and the tiny sgl_kernel
-# import shim from scripts/cpu_shims (SGLang's CPU engine imports sgl_kernel
-# but never calls it on the torch-native path).
-# GPU variant: sglang==0.5.23 installed normally; no shim.
+# CUDA-only kernels that cannot load without a GPU), and oscar-sglang's
+# sgl_kernel stand-in from scripts/sgl_kernel_standin (SGLang's CPU engine
+# imports sgl_kernel but never calls it on the torch-native path).
+# GPU variant: sglang==0.5.23 installed normally with the real sgl_kernel; any
+# stand-in (or the older CPU shim) is uninstalled.
 #
 # Idempotent: a stamp in .venv records what was installed; a second run with
 # unchanged inputs does nothing.
@@ -44,8 +45,9 @@ if [ -z "$python" ]; then
 fi
 
 stamp_file=.venv/.oscar-setup-stamp
+standin=scripts/sgl_kernel_standin
 stamp=$( { echo "$mode"; cat scripts/setup_env.sh scripts/requirements-*.txt pyproject.toml \
-           scripts/cpu_shims/pyproject.toml scripts/cpu_shims/sgl_kernel/__init__.py; } | sha256sum | cut -d' ' -f1)
+           $(find "$standin" -type f ! -path '*/__pycache__/*' | LC_ALL=C sort); } | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] && [ -x .venv/bin/python ]; then
   echo "[setup] .venv is up to date ($mode variant)"
   exit 0
@@ -60,12 +62,15 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if [ "$mode" = cpu ]; then
   "${pip[@]}" -r scripts/requirements-sglang-runtime.txt -r scripts/requirements-project.txt
   "${pip[@]}" --no-deps sglang==0.5.23
-  shim_build=$(mktemp -d)
-  cp -r scripts/cpu_shims/. "$shim_build/"
-  "${pip[@]}" --no-build-isolation "$shim_build"
-  rm -rf "$shim_build"
-else
+  # The older shim owns the same sgl_kernel/__init__.py; remove it first.
   .venv/bin/python -m pip uninstall --yes --quiet oscar-cpu-shim-sgl-kernel 2>/dev/null || true
+  # Built from a copy, so no build/ or *.egg-info lands in the source tree.
+  standin_build=$(mktemp -d)
+  cp -r "$standin"/. "$standin_build/"
+  "${pip[@]}" --no-build-isolation "$standin_build"
+  rm -rf "$standin_build"
+else
+  .venv/bin/python -m pip uninstall --yes --quiet oscar-cpu-shim-sgl-kernel oscar-sgl-kernel-standin 2>/dev/null || true
   "${pip[@]}" sglang==0.5.23 -r scripts/requirements-project.txt
 fi
 # The default model ships inside this package; its own dependencies are
