@@ -1,18 +1,46 @@
-"""Benchmark the INT2 kernels: decode time and achieved bandwidth vs a BF16 baseline, write throughput.
+"""Benchmark the INT2 decode kernel against the strongest BF16 decode baselines available, and the write kernel.
 
-    .venv/bin/python scripts/bench_kernels.py                 # GPU: full grid, writes docs/bench_kernels.*
-    .venv/bin/python scripts/bench_kernels.py --cpu-smoke     # CPU: tiny shapes under TRITON_INTERPRET=1
+    python scripts/bench_kernels.py --out OUT               # GPU: full grid, <= ~2.5 min on an H200
+    python scripts/bench_kernels.py --cpu-smoke --out OUT   # CPU: tiny shapes under TRITON_INTERPRET=1, ~1 min
 
-Decode: batch 1..64, context 4k..128k, head_dim 64 and 128, GQA 4:1 and 8:1
-(8 KV heads), 64 sink + 256 recent tokens hot per request, pages of 16 slots
-in random order.  Baseline: a BF16 split-K Triton decode over the same paged
-layout (``kernels/decode/bf16_baseline.py``).  Bandwidth = bytes the kernel
-must read (K/V rows, scales, hot rows, slot and hot indices) / time.
-Write: tokens per second of the per-layer write kernel.  Before timing, the
-Triton outputs are checked against the torch references on a small case.
-Without CUDA (or with ``--cpu-smoke``) the same code runs on tiny shapes
-through Triton's interpreter, so the script cannot rot; those numbers say
-nothing about GPU speed.  Outputs: ``<out>/bench_kernels[_cpu_smoke].{md,json,png}``.
+Decode problem (the same for every row's kernels): one bf16 query token per
+request, 8 KV heads, GQA 4:1 (32 query heads), head_dim 128 (Llama-3-8B) and
+64, batch {1, 8, 32, 128} x context {4k, 16k, 32k, 64k, 128k}; cases whose BF16
+K+V cache exceeds ``--max-gib`` (default 40 GiB) are skipped and listed.  The
+INT2 store keeps 64 sink + 256 recent tokens per request hot (BF16), pages of
+16 slots in random order.
+
+Measured in the same run:
+
+* copy bandwidth: ``dst.copy_(src)`` of a ``--copy-gib`` buffer; bytes read +
+  written / time is the physical ceiling every decode row is compared to
+  ("% copy" = (bytes the kernel must read / time) / (copy bytes read+written / time));
+* INT2: ``kernels/decode/triton_kernel.py`` (bytes: codes, scales/zeros, hot
+  rows, slot and hot indices);
+* BF16 baselines (bytes: K and V, plus their page/slot tables):
+  ``triton_bf16`` our split-K Triton decode over the same paged layout
+  (``kernels/decode/bf16_baseline.py``); ``sdpa`` torch
+  ``scaled_dot_product_attention`` over a dense contiguous ``[batch, kv_heads,
+  ctx, d]`` cache, flash backend forced (then efficient, then cuDNN), both
+  ``enable_gqa=True`` and the GQA heads packed as query rows of their KV
+  head timed (the same result; the faster is kept, each in the JSON);
+  ``flashinfer`` ``BatchDecodeWithPagedKVCacheWrapper`` (NHD, pages of 16, the
+  same paged buffers as ``triton_bf16``, tensor cores on by default as SGLang
+  does at GQA >= 4) when ``flashinfer`` imports, its JIT build bounded by
+  ``--flashinfer-timeout`` per head_dim in a child process;
+  best BF16 = the fastest that ran; speedup = best BF16 time / INT2 time.
+  Every baseline's output is checked against ``triton_bf16`` on every case.
+* a tile sweep (block_n x num_warps x num_stages) of the two Triton decodes on
+  two cases, and the write kernel's throughput.
+
+Timing: ``triton.testing.do_bench`` (median, ``--warmup``/``--rep`` ms, L2
+flushed between calls), eager launches (no CUDA graphs), so the smallest cases
+include launch overhead.  Without CUDA (or with ``--cpu-smoke``) the same code
+runs tiny shapes through Triton's interpreter, SDPA with the math backend, the
+copy on the CPU, FlashInfer "not available", and checks every Triton output
+and the FlashInfer page table against fp32 torch references; those numbers say
+nothing about GPU speed.  Outputs: ``<out>/bench_kernels[_cpu_smoke].{md,json,png}``;
+the exit code is 1 when a correctness check failed.
 """
 
 from __future__ import annotations
@@ -21,19 +49,38 @@ import argparse
 import datetime
 import json
 import os
+import platform
+import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+START = time.time()
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="output folder (default: docs/)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under the Triton interpreter (auto without CUDA)")
-    p.add_argument("--max-tokens", type=int, default=64 * 131072, help="skip decode cases with batch*context above this")
+    p.add_argument("--max-gib", type=float, default=40.0,
+                   help="skip decode cases whose BF16 K+V cache exceeds this (GiB); peak GPU memory is about "
+                        "2.2x it (paged + dense copy + INT2 store)")
     p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--gqa", type=int, default=4, help="query heads per KV head")
+    p.add_argument("--copy-gib", type=float, default=2.0, help="buffer size of the copy-bandwidth measurement")
+    p.add_argument("--warmup", type=float, default=10.0, help="do_bench warmup (ms)")
+    p.add_argument("--rep", type=float, default=40.0, help="do_bench repetition time (ms)")
+    p.add_argument("--no-tune", action="store_true", help="skip the tile sweep")
+    p.add_argument("--no-flashinfer", action="store_true", help="do not try FlashInfer")
+    p.add_argument("--flashinfer-timeout", type=float, default=90.0,
+                   help="seconds allowed for FlashInfer's JIT build + check per head_dim (child process)")
+    p.add_argument("--flashinfer-tensor-cores", choices=("on", "off"), default="on",
+                   help="use_tensor_cores of the FlashInfer wrapper (SGLang: on at GQA >= 4)")
+    p.add_argument("--flashinfer-on-cpu", action="store_true", help=argparse.SUPPRESS)  # tests: a stand-in module
+    p.add_argument("--budget-s", type=float, default=150.0,
+                   help="start no new decode case after this many seconds since launch (listed as skipped)")
     return p.parse_args(argv)
 
 
@@ -56,28 +103,38 @@ if SMOKE:
 from oscar_sglang.kernels.decode import bf16_baseline, triton_kernel as decode_tk  # noqa: E402
 from oscar_sglang.kernels.write import triton_kernel as write_tk  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_baselines as bl  # noqa: E402
+from torch.nn.attention import sdpa_kernel  # noqa: E402
+
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
-SINK, RECENT, PAGE = 64, 256, 16
+SINK, RECENT, PAGE = 64, 256, bl.PAGE
+GQA = ARGS.gqa
+DIMS = [128, 64]
+BASELINES = ("triton_bf16", "sdpa", "flashinfer")
+LABEL = {"int2": "INT2", "triton_bf16": "Triton BF16", "sdpa": "SDPA", "flashinfer": "FlashInfer"}
+TOL_BASELINE = 2e-2  # max |o - o_triton_bf16| / max |o_triton_bf16| (bf16 outputs)
 
 if SMOKE:
-    KV_HEADS = 1
+    KV_HEADS = 2
     BATCHES, CONTEXTS = [1, 2], [96, 320]
     SINK, RECENT = 8, 16
     WRITE_TOKENS = [16, 64]
+    COPY_BYTES = 64 << 20
     TUNE_CASES, TUNE_GRID = {(1, 320)}, [(32, 4, 2), (64, 4, 2)]
 else:
     KV_HEADS = ARGS.kv_heads
-    BATCHES, CONTEXTS = [1, 4, 16, 64], [4096, 16384, 65536, 131072]
+    BATCHES, CONTEXTS = [1, 8, 32, 128], [4096, 16384, 32768, 65536, 131072]
     WRITE_TOKENS = [1, 16, 256, 4096, 32768]
-    TUNE_CASES = {(1, 131072), (64, 4096), (16, 16384)}
-    TUNE_GRID = [(bn, nw, ns) for bn in (32, 64) for nw in (4, 8) for ns in (1, 2, 3)]
-DIMS, GQAS = [64, 128], [4, 8]
+    COPY_BYTES = int(ARGS.copy_gib * 2**30)
+    TUNE_CASES = {(1, 131072), (32, 16384)}
+    TUNE_GRID = [(32, 4, 2), (64, 4, 2), (32, 8, 2), (64, 8, 2), (32, 4, 3)]  # first = the default
 
 
 def timed(fn) -> float:
-    """Milliseconds per call: triton's do_bench on the GPU; on the CPU the best of 2 after a warm-up."""
+    """Milliseconds per call: triton's do_bench (median) on the GPU; on the CPU the best of 2 after a warm-up."""
     if not SMOKE:
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
+        return triton.testing.do_bench(fn, warmup=ARGS.warmup, rep=ARGS.rep, return_mode="median")
     fn()
     runs = []
     for _ in range(2):
@@ -85,6 +142,11 @@ def timed(fn) -> float:
         fn()
         runs.append(time.perf_counter() - t)
     return min(runs) * 1e3
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def random_store(num_slots: int, d: int) -> tuple[layout.LayerStore, torch.Tensor, torch.Tensor]:
@@ -111,19 +173,31 @@ def with_hot(store: layout.LayerStore, entries: int) -> layout.LayerStore:
     return layout.LayerStore(**hot)
 
 
-def decode_bytes(batch: int, ctx: int, d: int, hot_per_req: int) -> tuple[int, int]:
-    """Bytes each kernel must read: (INT2 + hot, BF16)."""
+def kv_bytes(batch: int, ctx: int, d: int) -> int:
+    """BF16 K and V of every token: what any BF16 decode must read."""
+    return batch * ctx * KV_HEADS * 2 * 2 * d
+
+
+def read_bytes(batch: int, ctx: int, d: int, hot_per_req: int) -> dict[str, int]:
+    """Bytes each kernel must read (the query and output are negligible and not counted)."""
     h = KV_HEADS
     cold = batch * (ctx - hot_per_req) * h * 2 * fmt.bytes_per_row(d)
     hot = batch * hot_per_req * h * 2 * 2 * d
-    index = batch * ctx * (4 + 4)  # req_to_token + hot_index
-    bf16 = batch * ctx * (h * 2 * 2 * d + 4)
-    return cold + hot + index, bf16
+    kv = kv_bytes(batch, ctx, d)
+    return {"int2": cold + hot + batch * ctx * (4 + 4),  # + req_to_token + hot_index
+            "triton_bf16": kv + batch * ctx * 4,  # + req_to_token
+            "sdpa": kv,
+            "flashinfer": kv + batch * -(-ctx // PAGE) * 4}  # + page indices
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
 def check_correctness() -> dict:
     """Triton vs torch reference on a small case (the first GPU run's sanity check)."""
-    d, gqa, lens = 128, 4, [1, 17, 300]
+    d, lens = 128, [1, 17, 300]
     paged = scenario.paged_layout(lens, PAGE, 0, device=DEVICE)
     rot = scenario.random_rotation(KV_HEADS, d, 0, device=DEVICE)
     slots = torch.cat([paged.slots(b) for b in range(len(lens))])
@@ -135,53 +209,210 @@ def check_correctness() -> dict:
     write_tk.write_kv(k, v, slots, out, rot, hot_loc)
     mism = max((fmt.unpack(getattr(ref, c)) != fmt.unpack(getattr(out, c))).float().mean().item()
                for c in ("k_codes", "v_codes"))
-    q = torch.randn(len(lens), KV_HEADS * gqa, d, device=DEVICE)
+    q = torch.randn(len(lens), KV_HEADS * GQA, d, device=DEVICE)
     args = (q, ref, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
     err = (decode_tk.decode_attention(*args, d**-0.5) - decode_ref.decode_attention(*args, d**-0.5)).abs().max()
     return {"write_code_mismatch_fraction": mism, "decode_max_abs_err": err.item()}
 
 
-def bench_decode() -> tuple[list[dict], list[dict]]:
-    """Decode rows, and for a few cases (d=128, first GQA) a sweep of block_n / num_warps / num_stages."""
-    rows, tuning = [], []
+def cases(d: int) -> tuple[list[tuple[int, int]], list[dict]]:
+    fits, skipped = [], []
+    for b in BATCHES:
+        for c in CONTEXTS:
+            gib = kv_bytes(b, c, d) / 2**30
+            if gib > ARGS.max_gib:
+                skipped.append({"d": d, "batch": b, "context": c,
+                                "reason": f"BF16 K+V {gib:.1f} GiB > --max-gib {ARGS.max_gib:g}"})
+            else:
+                fits.append((b, c))
+    return fits, skipped
+
+
+def bench_decode(copy_GBps: float, sdpa: bl.Sdpa, fi: bl.FlashInferDecode, problems: list[str],
+                 rows: list[dict], skipped: list[dict], tuning: list[dict]) -> None:
+    """Appends decode rows, skipped cases, and a tile sweep of the two Triton decodes on TUNE_CASES (d = 128).
+
+    Per head_dim: every case with INT2, Triton BF16 and SDPA first, then FlashInfer on every case
+    (so its JIT build, started at launch in a child process, has that long to finish).
+    """
     for d in DIMS:
-        fits = [(b, c) for b in BATCHES for c in CONTEXTS if b * c <= ARGS.max_tokens]
-        most = max(b * c for b, c in fits)
-        try:  # room for every case's pages (each request's last page may be partial)
-            store, kb, vb = random_store(most + (max(BATCHES) + 1) * PAGE, d)
-        except torch.OutOfMemoryError:
-            print(f"d={d}: out of memory for {most} tokens; lower --max-tokens", file=sys.stderr)
+        fits, skip = cases(d)
+        skipped += skip
+        if not fits:
             continue
+        scale = d**-0.5
+        most = max(b * c for b, c in fits)
+        num_slots = (-(-most // PAGE) + max(BATCHES) + 1) * PAGE  # every case's pages (last pages may be partial)
+        dense_elems = max(b * KV_HEADS * c * d for b, c in fits)
+        try:
+            store, kb, vb = random_store(num_slots, d)
+            flat_k = torch.empty(dense_elems, dtype=torch.bfloat16, device=DEVICE)
+            flat_v = torch.empty(dense_elems, dtype=torch.bfloat16, device=DEVICE)
+        except torch.OutOfMemoryError:
+            msg = f"d={d}: out of memory for {most} tokens; lower --max-gib"
+            print(msg, file=sys.stderr)
+            problems.append(msg)
+            skipped += [{"d": d, "batch": b, "context": c, "reason": "out of memory"} for b, c in fits]
+            continue
+        rot = scenario.random_rotation(KV_HEADS, d, 0, device=DEVICE)
+        done = []  # (row, kept inputs for the FlashInfer pass)
         for batch, ctx in fits:
-            paged = scenario.paged_layout([ctx] * batch, PAGE, batch + ctx, spare_pages=0, device=DEVICE)
-            hot_per_req = min(ctx, SINK + RECENT)
-            st = with_hot(store, batch * hot_per_req)
-            scenario.assign_hot(st, paged, SINK, RECENT)
-            for gqa in GQAS:
-                q = torch.randn(batch, KV_HEADS * gqa, d, device=DEVICE, dtype=torch.bfloat16)
-                rot = scenario.random_rotation(KV_HEADS, d, 0, device=DEVICE)
-                args = (paged.req_to_token, paged.req_pool_indices, paged.seq_lens, d**-0.5)
-                t_int2 = timed(lambda: decode_tk.decode_attention(q, st, rot, *args, max_seq_len=ctx))
-                t_bf16 = timed(lambda: bf16_baseline.decode_attention_bf16(q, kb, vb, *args, max_seq_len=ctx))
-                b_int2, b_bf16 = decode_bytes(batch, ctx, d, hot_per_req)
-                row = {"d": d, "gqa": gqa, "batch": batch, "context": ctx,
-                       "splits": decode_tk.choose_splits(batch, KV_HEADS, DEVICE, ctx),
-                       "int2_ms": t_int2, "bf16_ms": t_bf16, "speedup": t_bf16 / t_int2,
-                       "int2_GBps": b_int2 / t_int2 / 1e6, "bf16_GBps": b_bf16 / t_bf16 / 1e6,
-                       "int2_MB": b_int2 / 1e6, "bf16_MB": b_bf16 / 1e6}
-                rows.append(row)
-                print(f"decode d={d} gqa={gqa} batch={batch} ctx={ctx}: int2 {t_int2:.3f} ms, "
-                      f"bf16 {t_bf16:.3f} ms, x{row['speedup']:.2f}", flush=True)
-                if d == DIMS[-1] and gqa == GQAS[0] and (batch, ctx) in TUNE_CASES:
-                    for bn, nw, ns in TUNE_GRID:
-                        opts = {"block_n": bn, "num_warps": nw, "num_stages": ns}
-                        t = timed(lambda: decode_tk.decode_attention(q, st, rot, *args, max_seq_len=ctx, **opts))
-                        tb = timed(lambda: bf16_baseline.decode_attention_bf16(q, kb, vb, *args, max_seq_len=ctx,
-                                                                               **opts))
-                        tuning.append({"d": d, "gqa": gqa, "batch": batch, "context": ctx, **opts,
-                                       "int2_ms": t, "bf16_ms": tb})
-        del store, kb, vb
-    return rows, tuning
+            if time.time() - START > ARGS.budget_s:
+                skipped.append({"d": d, "batch": batch, "context": ctx,
+                                "reason": f"time budget --budget-s {ARGS.budget_s:g} s spent"})
+                continue
+            try:  # one failing case (e.g. out of memory) is listed, the others still run
+                done.append(decode_case(d, batch, ctx, scale, store, kb, vb, flat_k, flat_v, rot, sdpa, fi,
+                                        problems))
+            except Exception as e:  # noqa: BLE001
+                reason = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                skipped.append({"d": d, "batch": batch, "context": ctx, "reason": reason})
+                problems.append(f"d={d} batch={batch} ctx={ctx}: {reason}")
+                print(traceback.format_exc(), file=sys.stderr)
+                if DEVICE.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            if d == DIMS[0] and (batch, ctx) in TUNE_CASES and not ARGS.no_tune:
+                tuning += tile_sweep(d, batch, ctx, scale, store, kb, vb, rot)
+        del flat_k, flat_v
+        flashinfer_pass(d, scale, kb, vb, done, fi, problems)
+        for row, _ in done:
+            finish_row(row, copy_GBps)
+            rows.append(row)
+        del store, kb, vb, done
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _case_inputs(d, batch, ctx, store):
+    paged = scenario.paged_layout([ctx] * batch, PAGE, batch + ctx, spare_pages=0, device=DEVICE)
+    hot_per_req = min(ctx, SINK + RECENT)
+    st = with_hot(store, batch * hot_per_req)
+    scenario.assign_hot(st, paged, SINK, RECENT)
+    q = torch.randn(batch, KV_HEADS * GQA, d, device=DEVICE, dtype=torch.bfloat16)
+    return paged, hot_per_req, st, q
+
+
+def decode_case(d, batch, ctx, scale, store, kb, vb, flat_k, flat_v, rot, sdpa, fi, problems) -> tuple[dict, dict]:
+    """INT2, Triton BF16 and SDPA on one case: the row, and what the FlashInfer pass needs."""
+    paged, hot_per_req, st, q = _case_inputs(d, batch, ctx, store)
+    targs = (paged.req_to_token, paged.req_pool_indices, paged.seq_lens, scale)
+    row = {"d": d, "gqa": GQA, "q_heads": KV_HEADS * GQA, "kv_heads": KV_HEADS, "batch": batch, "context": ctx,
+           "bf16_kv_GiB": kv_bytes(batch, ctx, d) / 2**30, "hot_per_request": hot_per_req,
+           "splits": decode_tk.choose_splits(batch, KV_HEADS, DEVICE, ctx)}
+    where = f"d={d} batch={batch} ctx={ctx}"
+
+    row["int2_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx))
+
+    def tbf16():
+        return bf16_baseline.decode_attention_bf16(q, kb, vb, *targs, max_seq_len=ctx)
+
+    ref = tbf16()
+    row["triton_bf16_ms"] = timed(tbf16)
+
+    lens = [ctx] * batch
+    rows_r2t = paged.req_to_token[paged.req_pool_indices]  # [batch, max_context] token -> slot
+    k_d = v_d = None
+    try:  # SDPA over a dense contiguous copy of the same K/V
+        k_d, v_d = bl.dense_cache(kb, vb, rows_r2t, lens, flat_k, flat_v)
+        backend, runs = sdpa.prepare(q, k_d, v_d, scale)
+        forms = {}
+        with sdpa_kernel(backend):
+            for label, fn, out in runs:  # every form that runs (enable_gqa, packed): the fastest is kept
+                forms[label] = {"ms": timed(fn), "rel_err": rel_err(out, ref)}
+        label = min(forms, key=lambda f: forms[f]["ms"])
+        row.update(sdpa_backend=label, sdpa_ms=forms[label]["ms"], sdpa_forms=forms,
+                   sdpa_rel_err=max(f["rel_err"] for f in forms.values()))
+    except Exception as e:  # noqa: BLE001 - recorded per row
+        row["sdpa_ms"], row["sdpa_note"] = None, f"failed: {type(e).__name__}: {str(e)[:300]}"
+        problems.append(f"{where}: sdpa {row['sdpa_note']}")
+
+    table = bl.page_table(rows_r2t, lens, PAGE) if (fi.status == "ok" or SMOKE) else None
+    if SMOKE:  # fp32 torch references: the Triton BF16 output, both SDPA forms, the FlashInfer page table
+        k_d, v_d = bl.dense_cache(kb, vb, rows_r2t, lens, flat_k, flat_v)
+        exact = bl.attention_ref(q, k_d, v_d, scale)
+        row["smoke_triton_bf16_vs_fp32"] = rel_err(ref, exact)
+        for form, run in bl.SDPA_FORMS.items():
+            row[f"smoke_sdpa_{form}_vs_fp32"] = rel_err(run(q, k_d, v_d, scale), exact)
+        kp, vp = kb.view(-1, PAGE, KV_HEADS, d), vb.view(-1, PAGE, KV_HEADS, d)
+        row["smoke_page_table_vs_fp32"] = rel_err(bl.paged_decode_torch(q, kp, vp, *table, scale), exact)
+        for key in [k for k in row if k.startswith("smoke_")]:
+            if not row[key] < TOL_BASELINE:
+                problems.append(f"{where}: {key} = {row[key]:.2e} > {TOL_BASELINE}")
+    err = row.get("sdpa_rel_err")
+    if err is not None and not err < TOL_BASELINE:
+        problems.append(f"{where}: sdpa differs from triton_bf16 by {err:.2e} (relative) > {TOL_BASELINE}")
+    print(f"decode {where}: int2 {row['int2_ms']:.3f} ms, triton_bf16 {row['triton_bf16_ms']:.3f} ms, "
+          f"sdpa {row['sdpa_ms'] if row['sdpa_ms'] is None else round(row['sdpa_ms'], 3)} ms "
+          f"[{row.get('sdpa_backend', '-')}]", flush=True)
+    return row, {"q": q, "ref": ref, "table": table}
+
+
+def flashinfer_pass(d, scale, kb, vb, done, fi, problems) -> None:
+    """FlashInfer on every case of this head_dim, over the Triton BF16 baseline's paged buffers."""
+    if not done:
+        return
+    reason = fi.setup(d, DEVICE)
+    print(f"flashinfer d={d}: " + (f"ready (warm-up child done within {fi.warmup_s.get(d)} s of its start, "
+                                    f"in-process load {fi.load_s.get(d)} s)"
+                                   if reason is None else reason), flush=True)
+    for row, keep in done:
+        where = f"d={d} batch={row['batch']} ctx={row['context']}"
+        if reason is not None:
+            row["flashinfer_ms"], row["flashinfer_note"] = None, reason
+            continue
+        if time.time() - START > ARGS.budget_s:
+            row["flashinfer_ms"], row["flashinfer_note"] = None, f"time budget --budget-s {ARGS.budget_s:g} s spent"
+            continue
+        try:
+            fn = fi.prepare(d, keep["q"], kb, vb, *keep["table"], scale)
+            row["flashinfer_rel_err"] = rel_err(fn(), keep["ref"])
+            row["flashinfer_ms"] = timed(fn)
+            print(f"flashinfer {where}: {row['flashinfer_ms']:.3f} ms", flush=True)
+        except Exception as e:  # noqa: BLE001 - recorded per row
+            row["flashinfer_ms"], row["flashinfer_note"] = None, f"failed: {type(e).__name__}: {str(e)[:300]}"
+            problems.append(f"{where}: flashinfer {row['flashinfer_note']}")
+            continue
+        if not row["flashinfer_rel_err"] < TOL_BASELINE:
+            problems.append(f"{where}: flashinfer differs from triton_bf16 by {row['flashinfer_rel_err']:.2e} "
+                            f"(relative) > {TOL_BASELINE}")
+
+
+def finish_row(row: dict, copy_GBps: float) -> None:
+    """Best BF16 baseline, speedups, bytes, bandwidth and its fraction of the copy bandwidth."""
+    nbytes = read_bytes(row["batch"], row["context"], row["d"], row["hot_per_request"])
+    times = {n: row.get(f"{n}_ms") for n in BASELINES}
+    ran = {n: t for n, t in times.items() if t is not None}
+    best = min(ran, key=ran.get)
+    row.update(best_bf16=best, best_bf16_ms=ran[best], speedup=ran[best] / row["int2_ms"],
+               speedup_vs_triton_bf16=row["triton_bf16_ms"] / row["int2_ms"])
+    for name, t in [("int2", row["int2_ms"]), *times.items()]:
+        row[f"{name}_MB"] = nbytes[name] / 1e6
+        row[f"{name}_GBps"] = nbytes[name] / t / 1e6 if t else None
+        row[f"{name}_copy_frac"] = row[f"{name}_GBps"] / copy_GBps if t else None
+    print(f"decode d={row['d']} batch={row['batch']} ctx={row['context']}: INT2 {row['int2_ms']:.3f} ms "
+          f"({row['int2_copy_frac']:.1%} of copy), best BF16 {best} {ran[best]:.3f} ms "
+          f"({row[f'{best}_copy_frac']:.1%}), speedup x{row['speedup']:.2f}", flush=True)
+
+
+def tile_sweep(d, batch, ctx, scale, store, kb, vb, rot) -> list[dict]:
+    paged, _, st, q = _case_inputs(d, batch, ctx, store)
+    targs = (paged.req_to_token, paged.req_pool_indices, paged.seq_lens, scale)
+    out = []
+    for bn, nw, ns in TUNE_GRID:
+        opts = {"block_n": bn, "num_warps": nw, "num_stages": ns}
+        r = {"d": d, "gqa": GQA, "batch": batch, "context": ctx, **opts}
+        for name, fn in (("int2", lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **opts)),
+                         ("triton_bf16", lambda: bf16_baseline.decode_attention_bf16(q, kb, vb, *targs,
+                                                                                     max_seq_len=ctx, **opts))):
+            try:  # a tile that does not compile or launch (e.g. shared memory) is noted, not fatal
+                r[f"{name}_ms"] = timed(fn)
+            except Exception as e:  # noqa: BLE001
+                r[f"{name}_ms"], r[f"{name}_note"] = None, f"{type(e).__name__}: {str(e)[:200]}"
+        out.append(r)
+        print(f"tile d={d} batch={batch} ctx={ctx} {opts}: int2 {r['int2_ms']} ms, "
+              f"triton bf16 {r['triton_bf16_ms']} ms", flush=True)
+    return out
 
 
 def bench_write() -> list[dict]:
@@ -200,29 +431,81 @@ def bench_write() -> list[dict]:
     return rows
 
 
-def markdown(meta: dict, check: dict, decode: list[dict], tuning: list[dict], write: list[dict]) -> str:
+def _ms(r: dict, name: str) -> str:
+    t = r.get(f"{name}_ms")
+    if t is None:
+        return "n/a"
+    return f"**{t:.3f}**" if r.get("best_bf16") == name else f"{t:.3f}"
+
+
+def _pct(r: dict, name: str) -> str:
+    f = r.get(f"{name}_copy_frac")
+    return "n/a" if f is None else f"{100 * f:.3g}%"
+
+
+def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: list[dict], tuning: list[dict],
+             write: list[dict], problems: list[str]) -> str:
     lines = [f"# Kernel benchmark ({meta['mode']})", "",
-             f"{meta['date']}, {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, "
-             f"{meta['kv_heads']} KV heads, sink {meta['sink']} + recent {meta['recent']} hot per request, "
-             f"pages of {PAGE}. Command: `{meta['command']}`.", ""]
+             f"- Date {meta['date']}; device {meta['device']}; torch {meta['torch']} (CUDA {meta['cuda']}), "
+             f"triton {meta['triton']}, flashinfer {meta['flashinfer']}; Python {meta['python']}.",
+             f"- Command: `{meta['command']}` ({meta['seconds']} s).",
+             f"- Decode: {meta['q_heads']} query heads / {meta['kv_heads']} KV heads (GQA {meta['gqa']}:1), bf16 "
+             f"query, one token per request; INT2 store with sink {meta['sink']} + recent {meta['recent']} hot "
+             f"per request, pages of {PAGE} slots in random order. Timing: {meta['timing']}.",
+             f"- **Copy bandwidth (measured in this run, the ceiling)**: `dst.copy_(src)` of "
+             f"{copy['buffer_bytes'] / 2**30:.3g} GiB on {copy['device']}: {copy['ms']:.3f} ms = "
+             f"**{copy['GBps_read_plus_write']:.0f} GB/s counting bytes read + written** "
+             f"({copy['GBps_read_only']:.0f} GB/s of reads alone).",
+             "- BF16 baselines: Triton BF16 = our split-K decode over the same paged layout; SDPA = torch "
+             "scaled_dot_product_attention over a dense contiguous [batch, kv_heads, ctx, d] cache, the first of "
+             "flash / efficient / cuDNN that runs, every form that runs timed and the fastest shown (`enable_gqa` = "
+             "enable_gqa=True, `packed` = the GQA heads passed as query rows of their KV head); "
+             "FlashInfer = BatchDecodeWithPagedKVCacheWrapper (NHD, page 16, tensor cores "
+             f"{ARGS.flashinfer_tensor_cores}) over the Triton BF16 baseline's own paged buffers: "
+             f"{meta['flashinfer_status']}.",
+             f"- SDPA backends that refused: {'; '.join(meta['sdpa_refused']) or 'none'}.",
+             f"- Correctness: write code mismatch fraction {check['write_code_mismatch_fraction']:.2e}, INT2 decode "
+             f"max abs error vs torch reference {check['decode_max_abs_err']:.2e}; baseline outputs vs Triton BF16, "
+             f"max relative difference over all cases: " + ", ".join(
+                 f"{LABEL[n]} {max(es):.1e}" for n in ("sdpa", "flashinfer")
+                 if (es := [r[f'{n}_rel_err'] for r in decode if r.get(f'{n}_rel_err') is not None])) + ".", ""]
     if SMOKE:
-        lines += ["**Interpreter numbers (TRITON_INTERPRET=1 on CPU): they only show that the benchmark runs; "
-                  "they say nothing about GPU speed.**", ""]
-    lines += [f"Correctness check (Triton vs torch reference): write code mismatch fraction "
-              f"{check['write_code_mismatch_fraction']:.2e}, decode max abs error {check['decode_max_abs_err']:.2e}.",
-              "", "## Decode attention", "",
-              "| d | GQA | batch | context | splits | INT2 ms | BF16 ms | speedup | INT2 GB/s | BF16 GB/s | INT2 MB read | BF16 MB read |",
+        lines += ["**CPU smoke: Triton interpreter, SDPA math backend, copy on the CPU. These numbers only show that "
+                  "the benchmark runs and that the outputs agree with fp32 references; they say nothing about GPU "
+                  "speed.**", ""]
+    if problems:
+        lines += ["**Problems:**", ""] + [f"- {p}" for p in problems] + [""]
+    lines += ["## Decode time (ms; bold = fastest BF16)", "",
+              "speedup = fastest BF16 / INT2.", "",
+              "| d | batch | context | BF16 K+V GiB | splits | INT2 | Triton BF16 | SDPA | SDPA backend | FlashInfer "
+              "| speedup | vs Triton BF16 |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in decode:
-        lines.append(f"| {r['d']} | {r['gqa']}:1 | {r['batch']} | {r['context']} | {r['splits']} | {r['int2_ms']:.3f} | "
-                     f"{r['bf16_ms']:.3f} | {r['speedup']:.2f} | {r['int2_GBps']:.3g} | {r['bf16_GBps']:.3g} | "
-                     f"{r['int2_MB']:.3g} | {r['bf16_MB']:.3g} |")
-    lines += ["", "## Decode tile sweep (defaults: block_n 32, num_warps 4, num_stages 2)", "",
-              "| d | GQA | batch | context | block_n | num_warps | num_stages | INT2 ms | BF16 ms |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for r in tuning:
-        lines.append(f"| {r['d']} | {r['gqa']}:1 | {r['batch']} | {r['context']} | {r['block_n']} | {r['num_warps']} | "
-                     f"{r['num_stages']} | {r['int2_ms']:.3f} | {r['bf16_ms']:.3f} |")
+        lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {r['bf16_kv_GiB']:.3g} | {r['splits']} | "
+                     f"{r['int2_ms']:.3f} | {_ms(r, 'triton_bf16')} | {_ms(r, 'sdpa')} | "
+                     f"{r.get('sdpa_backend', 'n/a')} | {_ms(r, 'flashinfer')} | {r['speedup']:.2f} | "
+                     f"{r['speedup_vs_triton_bf16']:.2f} |")
+    lines += ["", "## Decode bandwidth as a fraction of the measured copy bandwidth", "",
+              "% copy = (bytes the kernel must read / its time) / (copy bytes read + written / copy time), "
+              f"copy = {copy['GBps_read_plus_write']:.0f} GB/s. Bytes: INT2 = codes + scales/zeros + hot BF16 rows + "
+              "req_to_token + hot_index; BF16 = K + V (+ slot table for Triton BF16, + page indices for FlashInfer).",
+              "", "| d | batch | context | INT2 MB | BF16 MB | INT2 GB/s | INT2 % copy | Triton BF16 % copy | "
+              "SDPA % copy | FlashInfer % copy |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in decode:
+        lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {r['int2_MB']:.4g} | {r['sdpa_MB']:.4g} | "
+                     f"{r['int2_GBps']:.4g} | {_pct(r, 'int2')} | {_pct(r, 'triton_bf16')} | {_pct(r, 'sdpa')} | "
+                     f"{_pct(r, 'flashinfer')} |")
+    if skipped:
+        lines += ["", "## Skipped decode cases", "", "| d | batch | context | reason |", "|---|---|---|---|"]
+        lines += [f"| {s['d']} | {s['batch']} | {s['context']} | {s['reason']} |" for s in skipped]
+    if tuning:
+        lines += ["", "## Decode tile sweep (default: block_n 32, num_warps 4, num_stages 2)", "",
+                  "| d | batch | context | block_n | num_warps | num_stages | INT2 ms | Triton BF16 ms |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in tuning:
+            lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {r['block_n']} | {r['num_warps']} | "
+                         f"{r['num_stages']} | {_ms(r, 'int2')} | {_ms(r, 'triton_bf16')} |")
     lines += ["", "## Write kernel (one layer, K and V, every token also hot)", "",
               "| d | tokens | ms | tokens/s | GB/s moved |", "|---|---|---|---|---|"]
     for r in write:
@@ -230,59 +513,115 @@ def markdown(meta: dict, check: dict, decode: list[dict], tuning: list[dict], wr
     return "\n".join(lines) + "\n"
 
 
+STYLE = {"int2": ("-", "o"), "triton_bf16": ("--", "x"), "sdpa": (":", "^"), "flashinfer": ("-.", "s")}
+
+
 def plot(decode: list[dict], path: Path) -> None:
+    """Per batch (rows) and head_dim: time vs context, and % of copy bandwidth vs context, every kernel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, len(DIMS) * len(GQAS), figsize=(4.2 * len(DIMS) * len(GQAS), 7.5), squeeze=False)
-    for col, (d, gqa) in enumerate((d, g) for d in DIMS for g in GQAS):
-        for batch in BATCHES:
-            rs = [r for r in decode if r["d"] == d and r["gqa"] == gqa and r["batch"] == batch]
-            if not rs:
-                continue
-            x = [r["context"] for r in rs]
-            line, = axes[0, col].plot(x, [r["int2_ms"] for r in rs], marker="o", label=f"batch {batch} INT2")
-            axes[0, col].plot(x, [r["bf16_ms"] for r in rs], ls="--", marker="x", color=line.get_color(),
-                              label=f"batch {batch} BF16")
-            axes[1, col].plot(x, [r["int2_GBps"] for r in rs], marker="o", color=line.get_color())
-            axes[1, col].plot(x, [r["bf16_GBps"] for r in rs], ls="--", marker="x", color=line.get_color())
-        axes[0, col].set_title(f"d={d}, GQA {gqa}:1")
-        for row in (0, 1):
-            axes[row, col].set_xscale("log", base=2)
-            axes[row, col].grid(alpha=0.3)
-        axes[0, col].set_yscale("log")
-        axes[1, col].set_xlabel("context (tokens)")
-    axes[0, 0].set_ylabel("decode time (ms)")
-    axes[1, 0].set_ylabel("achieved bandwidth (GB/s)")
+    dims = [d for d in DIMS if any(r["d"] == d for r in decode)] or DIMS
+    fig, axes = plt.subplots(len(BATCHES), 2 * len(dims), figsize=(4.3 * 2 * len(dims), 3.0 * len(BATCHES)),
+                             squeeze=False)
+    for i, batch in enumerate(BATCHES):
+        for j, d in enumerate(dims):
+            rs = [r for r in decode if r["d"] == d and r["batch"] == batch]
+            ax_t, ax_f = axes[i, 2 * j], axes[i, 2 * j + 1]
+            for name, (ls, mk) in STYLE.items():
+                pts = [(r["context"], r[f"{name}_ms"], r[f"{name}_copy_frac"]) for r in rs
+                       if r.get(f"{name}_ms") is not None]
+                if not pts:
+                    continue
+                x, t, f = zip(*pts)
+                ax_t.plot(x, t, ls=ls, marker=mk, label=LABEL[name])
+                ax_f.plot(x, [100 * v for v in f], ls=ls, marker=mk, label=LABEL[name])
+            ax_t.set_title(f"d={d}, batch {batch}: time (ms)", fontsize=9)
+            ax_f.set_title(f"d={d}, batch {batch}: % of copy bandwidth", fontsize=9)
+            ax_t.set_yscale("log")
+            ax_f.set_ylim(bottom=0)
+            for ax in (ax_t, ax_f):
+                ax.set_xscale("log", base=2)
+                ax.grid(alpha=0.3)
+                if i == len(BATCHES) - 1:
+                    ax.set_xlabel("context (tokens)")
     axes[0, 0].legend(fontsize=7)
-    fig.suptitle("INT2 (solid) vs BF16 (dashed) decode" + (" - INTERPRETER, not GPU speed" if SMOKE else ""))
+    fig.suptitle(f"INT2 vs BF16 decode, GQA {GQA}:1, {KV_HEADS} KV heads"
+                 + (" - INTERPRETER, not GPU speed" if SMOKE else ""))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def main() -> None:
-    start = time.time()
+def main() -> int:
+    problems: list[str] = []
     meta = {"mode": "CPU smoke, Triton interpreter" if SMOKE else "GPU",
-            "date": datetime.date.today().isoformat(),
+            "date": datetime.datetime.now().isoformat(timespec="minutes"),
             "device": "CPU (interpreter)" if SMOKE else torch.cuda.get_device_name(),
-            "torch": torch.__version__, "triton": triton.__version__, "kv_heads": KV_HEADS,
-            "sink": SINK, "recent": RECENT, "command": " ".join(["scripts/bench_kernels.py", *sys.argv[1:]])}
+            "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+            "python": platform.python_version(), "kv_heads": KV_HEADS, "gqa": GQA, "q_heads": KV_HEADS * GQA,
+            "sink": SINK, "recent": RECENT, "page": PAGE, "max_gib": ARGS.max_gib,
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "timing": ("wall clock, best of 2 after a warm-up" if SMOKE else
+                       f"triton.testing.do_bench, median, warmup {ARGS.warmup:g} ms, rep {ARGS.rep:g} ms, "
+                       "L2 flushed between calls, eager launches (no CUDA graphs)")}
+    fi = bl.FlashInferDecode(DEVICE.type == "cuda" or ARGS.flashinfer_on_cpu, KV_HEADS, GQA,
+                             ARGS.flashinfer_tensor_cores == "on", ARGS.flashinfer_timeout,
+                             disabled=ARGS.no_flashinfer, child_device=DEVICE.type)
+    fi.start(DIMS)  # JIT builds in child processes while everything else runs
     check = check_correctness()
     print("check:", check, flush=True)
-    decode, tuning = bench_decode()
-    write = bench_write()
-    meta["seconds"] = round(time.time() - start, 1)
+    decode_tol = 1e-3 if SMOKE else 5e-2  # TF32 dots on the GPU
+    if not (check["write_code_mismatch_fraction"] < 1e-3 and check["decode_max_abs_err"] < decode_tol):
+        problems.append(f"Triton vs torch reference check failed: {check}")
+    t0 = time.time()
+    copy = bl.copy_bandwidth(timed, DEVICE, COPY_BYTES)
+    if not copy["copy_verified"]:
+        problems.append("the copy-bandwidth copy did not copy")
+    print(f"copy {copy['buffer_bytes'] / 2**30:.3g} GiB on {DEVICE}: {copy['ms']:.3f} ms, "
+          f"{copy['GBps_read_plus_write']:.0f} GB/s read+write ({time.time() - t0:.1f} s)", flush=True)
+    sdpa = bl.Sdpa(on_cuda=DEVICE.type == "cuda")
+    t0 = time.time()
+    decode, skipped, tuning, write = [], [], [], []
+    try:  # a crash still leaves the rows so far in the outputs (and exit code 1)
+        bench_decode(copy["GBps_read_plus_write"], sdpa, fi, problems, decode, skipped, tuning)
+    except Exception:  # noqa: BLE001
+        problems.append("decode benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
+        print(traceback.format_exc(), file=sys.stderr)
+    finally:
+        fi.close()
+    meta["decode_seconds"] = round(time.time() - t0, 1)
+    t0 = time.time()
+    try:
+        write += bench_write()
+    except Exception:  # noqa: BLE001
+        problems.append("write benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
+        print(traceback.format_exc(), file=sys.stderr)
+    meta["write_seconds"] = round(time.time() - t0, 1)
+    meta["sdpa_refused"] = sdpa.refused
+    meta["flashinfer"] = fi.version or "-"
+    meta["flashinfer_status"] = (
+        fi.status if fi.status != "ok" else
+        "; ".join([f"d={d}: ready (warm-up child done within {fi.warmup_s.get(d)} s of its start, "
+                   f"in-process load {fi.load_s.get(d)} s)" for d in fi.ready]
+                  + [f"d={d}: {r}" for d, r in fi.reason.items()]) or "not needed")
+    meta["flashinfer_warmup_s"] = fi.warmup_s
+    meta["flashinfer_warmup_log"] = fi.warmup_log
+    meta["seconds"] = round(time.time() - START, 1)
     ARGS.out.mkdir(parents=True, exist_ok=True)
     stem = ARGS.out / ("bench_kernels_cpu_smoke" if SMOKE else "bench_kernels")
-    stem.with_suffix(".md").write_text(markdown(meta, check, decode, tuning, write))
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "check": check, "decode": decode,
-                                                     "tuning": tuning, "write": write}, indent=1))
+    stem.with_suffix(".md").write_text(markdown(meta, check, copy, decode, skipped, tuning, write, problems))
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"meta": meta, "check": check, "copy": copy, "decode": decode, "skipped": skipped, "tuning": tuning,
+         "write": write, "problems": problems}, indent=1))
     plot(decode, stem.with_suffix(".png"))
     print(f"wrote {stem}.md/.json/.png in {meta['seconds']} s")
+    for p in problems:
+        print("PROBLEM:", p, file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

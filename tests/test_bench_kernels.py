@@ -1,0 +1,190 @@
+"""The kernel benchmark's baselines (scripts/bench_baselines.py) on CPU, and the whole CPU smoke run.
+
+FlashInfer is GPU-only; its orchestration (bounded warm-up child, plan/run calls,
+page table) is exercised against a stand-in ``flashinfer`` module that computes
+the same attention in torch.  What the real library does is only checked on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_baselines as bl  # noqa: E402
+
+from oscar_sglang.kernels import scenario  # noqa: E402
+
+
+def _paged(lens, kv_heads=2, d=64, seed=0):
+    paged = scenario.paged_layout(lens, bl.PAGE, seed, spare_pages=2)
+    g = torch.Generator().manual_seed(seed)
+    kb = torch.randn(paged.num_slots, kv_heads, d, generator=g).bfloat16()
+    vb = torch.randn(paged.num_slots, kv_heads, d, generator=g).bfloat16()
+    q = torch.randn(len(lens), kv_heads * 4, d, generator=g).bfloat16()
+    return paged, kb, vb, q
+
+
+def _direct(q, kb, vb, paged, scale):
+    """Attention per request straight from its slots (no page table)."""
+    outs = []
+    for b in range(len(paged.seq_lens)):
+        s = paged.slots(b)
+        outs.append(bl.attention_ref(q[b:b + 1], kb[s].transpose(0, 1)[None], vb[s].transpose(0, 1)[None], scale))
+    return torch.cat(outs)
+
+
+def test_page_table_reads_the_same_rows():
+    lens = [1, 16, 17, 40, 33]  # partial, full and multi-page requests
+    paged, kb, vb, q = _paged(lens)
+    rows = paged.req_to_token[paged.req_pool_indices]
+    indptr, indices, last = bl.page_table(rows, lens)
+    assert indptr.tolist() == [0, 1, 2, 4, 7, 10]
+    assert last.tolist() == [1, 16, 1, 8, 1]
+    assert indices.dtype == torch.int32 and int(indices.min()) >= 1  # page 0 holds the padding slot
+    kp, vp = kb.view(-1, bl.PAGE, 2, 64), vb.view(-1, bl.PAGE, 2, 64)
+    out = bl.paged_decode_torch(q, kp, vp, indptr, indices, last, 0.125)
+    torch.testing.assert_close(out, _direct(q, kb, vb, paged, 0.125), rtol=0, atol=1e-6)
+
+
+def test_page_table_refuses_tokens_off_pages():
+    paged = scenario.paged_layout([20], 1, 0)  # pages of one slot: consecutive tokens on scattered slots
+    rows = paged.req_to_token[paged.req_pool_indices]
+    with pytest.raises(ValueError, match="whole pages"):
+        bl.page_table(rows, [20])
+
+
+def test_dense_cache_and_sdpa_forms():
+    lens = [40, 40, 40]
+    paged, kb, vb, q = _paged(lens)
+    rows = paged.req_to_token[paged.req_pool_indices]
+    flat_k = torch.empty(3 * 2 * 40 * 64, dtype=torch.bfloat16)
+    flat_v = torch.empty_like(flat_k)
+    k, v = bl.dense_cache(kb, vb, rows, lens, flat_k, flat_v)
+    assert k.shape == (3, 2, 40, 64) and k.is_contiguous()
+    ref = _direct(q, kb, vb, paged, 0.125)
+    torch.testing.assert_close(bl.attention_ref(q, k, v, 0.125), ref, rtol=0, atol=1e-6)
+    for form, run in bl.SDPA_FORMS.items():
+        torch.testing.assert_close(run(q, k, v, 0.125).float(), ref, rtol=0, atol=2e-2, msg=form)
+
+
+def test_sdpa_falls_back_to_a_backend_that_runs():
+    paged, kb, vb, q = _paged([24, 24])
+    rows = paged.req_to_token[paged.req_pool_indices]
+    k, v = bl.dense_cache(kb, vb, rows, [24, 24], torch.empty(2 * 2 * 24 * 64, dtype=torch.bfloat16),
+                          torch.empty(2 * 2 * 24 * 64, dtype=torch.bfloat16))
+    sdpa = bl.Sdpa(False, backends=[("efficient", SDPBackend.EFFICIENT_ATTENTION), ("math", SDPBackend.MATH)])
+    backend, runs = sdpa.prepare(q, k, v, 0.125)  # no CPU efficient kernel: refused, then math
+    assert backend == SDPBackend.MATH and [r[0] for r in runs] == ["math/enable_gqa", "math/packed"]
+    assert [r.split(":")[0] for r in sdpa.refused] == ["efficient/enable_gqa", "efficient/packed"]
+    with sdpa_kernel(backend):
+        for _, fn, out in runs:
+            torch.testing.assert_close(fn().float(), bl.attention_ref(q, k, v, 0.125), rtol=0, atol=2e-2)
+            torch.testing.assert_close(out, fn(), rtol=0, atol=0)
+    sdpa.prepare(q, k, v, 0.125)  # the kept backend is tried first: nothing new refused
+    assert len(sdpa.refused) == 2
+
+
+def test_copy_bandwidth_counts_read_and_write():
+    r = bl.copy_bandwidth(lambda fn: (fn(), 2.0)[1], torch.device("cpu"), 1 << 20)
+    assert r["copy_verified"] and r["GBps_read_plus_write"] == pytest.approx(2 * (1 << 20) / 2.0 / 1e6)
+
+
+FAKE_FLASHINFER = '''
+"""Stand-in for flashinfer in tests: the wrapper's API, attention computed in torch."""
+import os, time
+import bench_baselines as bl
+
+__version__ = "0.0-test"
+time.sleep(float(os.environ.get("FAKE_FI_SLEEP", "0")))
+
+
+class BatchDecodeWithPagedKVCacheWrapper:
+    def __init__(self, workspace, kv_layout="NHD", use_tensor_cores=False):
+        assert kv_layout == "NHD"
+        self.planned = None
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+             pos_encoding_mode="NONE", q_data_type=None, kv_data_type=None, sm_scale=None):
+        self.planned = (indptr, indices, last_page_len, sm_scale)
+
+    def run(self, q, paged_kv_cache):
+        indptr, indices, last, scale = self.planned
+        out = bl.paged_decode_torch(q, *paged_kv_cache, indptr, indices, last, scale)
+        if os.environ.get("FAKE_FI_WRONG"):
+            out = out + 1
+        return out.to(q.dtype)
+'''
+
+
+@pytest.fixture
+def fake_flashinfer(tmp_path, monkeypatch):
+    (tmp_path / "flashinfer").mkdir()
+    (tmp_path / "flashinfer" / "__init__.py").write_text(textwrap.dedent(FAKE_FLASHINFER))
+    path = os.pathsep.join([str(tmp_path), str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")])
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("FAKE_FI_SLEEP", raising=False)
+    monkeypatch.delenv("FAKE_FI_WRONG", raising=False)
+    yield monkeypatch
+    sys.modules.pop("flashinfer", None)
+
+
+def test_flashinfer_orchestration(fake_flashinfer):
+    fi = bl.FlashInferDecode(True, kv_heads=2, gqa=4, tensor_cores=True, timeout=120, child_device="cpu")
+    assert fi.status == "ok"
+    fi.start([64])
+    assert fi.setup(64, torch.device("cpu")) is None, fi.reason
+    assert "max rel err" in fi.warmup_log[64]
+    lens = [17, 40]
+    paged, kb, vb, q = _paged(lens)
+    table = bl.page_table(paged.req_to_token[paged.req_pool_indices], lens)
+    fn = fi.prepare(64, q, kb, vb, *table, 0.125)
+    torch.testing.assert_close(fn().float(), _direct(q, kb, vb, paged, 0.125), rtol=0, atol=2e-2)
+    fi.close()
+
+
+def test_flashinfer_warmup_failures_become_reasons(fake_flashinfer):
+    fake_flashinfer.setenv("FAKE_FI_WRONG", "1")
+    fi = bl.FlashInferDecode(True, kv_heads=1, gqa=4, tensor_cores=False, timeout=120, child_device="cpu")
+    assert fi.setup(64, torch.device("cpu")).startswith("not available: warm-up failed (rc 2)")
+    fake_flashinfer.delenv("FAKE_FI_WRONG")
+    fake_flashinfer.setenv("FAKE_FI_SLEEP", "60")
+    fi = bl.FlashInferDecode(True, kv_heads=1, gqa=4, tensor_cores=False, timeout=3, child_device="cpu")
+    fi.start([64, 128])
+    assert "exceeded --flashinfer-timeout 3 s (killed)" in fi.setup(64, torch.device("cpu"))
+    assert fi.warmup_s[64] < 30
+    fi.close()  # kills the d=128 child still sleeping
+    assert all(p.poll() is not None for p, _ in fi.children.values())
+    assert fi.reason[128].startswith("not available: warm-up abandoned")
+
+
+def test_cpu_smoke_run(tmp_path, fake_flashinfer):
+    """The whole benchmark on tiny shapes under the interpreter (about 45 s on 2 cores), FlashInfer's
+    path run with the stand-in module (``--flashinfer-on-cpu``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)  # the script sets it itself
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kernels.py"), "--cpu-smoke", "--out",
+                        str(tmp_path), "--flashinfer-on-cpu"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_kernels_cpu_smoke.json").read_text())
+    assert not data["problems"]
+    assert len(data["decode"]) == 8 and data["copy"]["copy_verified"]
+    for row in data["decode"]:
+        assert row["sdpa_backend"] in ("math/enable_gqa", "math/packed")
+        assert set(row["sdpa_forms"]) == {"math/enable_gqa", "math/packed"}
+        assert row["flashinfer_ms"] > 0 and row["flashinfer_rel_err"] < 2e-2
+        assert row["best_bf16"] in ("triton_bf16", "sdpa", "flashinfer") and row["speedup"] > 0
+        assert row["smoke_page_table_vs_fp32"] < 1e-3 and row["smoke_triton_bf16_vs_fp32"] < 2e-2
+    assert (tmp_path / "bench_kernels_cpu_smoke.png").stat().st_size > 0
+    md = (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
+    assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md
