@@ -39,6 +39,8 @@ import threading
 import time
 from pathlib import Path
 
+import dummy_models
+
 from oscar_sglang import assets
 from oscar_sglang import artifacts as art
 from oscar_sglang.sglang import launcher, sizing
@@ -46,14 +48,6 @@ from oscar_sglang.sglang.settings import DEFAULT_HOT_REQUESTS, ENV_KV_BUDGET
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {64: 6.0, 128: 6.8}
-D128_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024, "head_dim": 128,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 2816,
-    "hidden_act": "silu", "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "vocab_size": 49152,
-    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "tie_word_embeddings": True,
-    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2, "dtype": "bfloat16", "attention_bias": False,
-    "mlp_bias": False,
-}
 
 
 def parse_args(argv=None):
@@ -68,16 +62,6 @@ def parse_args(argv=None):
                    help="rotations for SmolLM2 (default: Hadamard built on the fly; capacity does not depend on it)")
     p.add_argument("--geometries", nargs="+", default=["smollm2", "d128"], choices=["smollm2", "d128"])
     return p.parse_args(argv)
-
-
-def d128_model(folder: Path, tokenizer_from: Path) -> Path:
-    """A config-only Llama folder with head_dim 128 (weights are SGLang's dummy ones) and SmolLM2's tokenizer."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(D128_CONFIG, indent=2))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (tokenizer_from / name).exists():
-            shutil.copy(tokenizer_from / name, folder / name)
-    return folder
 
 
 def fingerprint(model: Path) -> art.ModelFingerprint:
@@ -137,14 +121,9 @@ def run_server(model: Path, log: Path, budget: int, extra: list[str], args) -> d
     t0 = time.perf_counter()
     with launcher.local_server(model, log, *extra, env=env) as url:
         start_s = time.perf_counter() - t0
-        info = launcher.get(url, "/get_server_info")
-        capacity = info.get("max_total_num_tokens")
-        if capacity is None:  # the scheduler's fields sit under internal_states in some versions
-            capacity = info["internal_states"][0]["max_total_num_tokens"]
+        capacity = launcher.capacity(url)
         speeds = [decode_speed(url, b, args.prompt_tokens, args.new_tokens, seed=b) for b in args.batch]
-    line = [x for x in log.read_text().splitlines() if "oscar-int2 KV cache:" in x]
-    return {"capacity": int(capacity), "start_s": start_s, "decode": speeds,
-            "startup_line": line[0].split("oscar-int2 KV cache:", 1)[1].strip() if line else None}
+    return {"capacity": capacity, "start_s": start_s, "decode": speeds, "startup_line": launcher.startup_line(log)}
 
 
 def expected(model: Path, budget: int) -> dict:
@@ -162,7 +141,8 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_capacity_"))
     smollm2 = assets.default_model_dir()
     models = {"smollm2": (smollm2, [], args.budget_gib[0]),
-              "d128": (d128_model(work / "llama-d128", smollm2), ["--load-format", "dummy"], args.budget_gib[1])}
+              "d128": (dummy_models.write_model("llama-d128-small", work / "llama-d128", smollm2),
+                       ["--load-format", "dummy"], args.budget_gib[1])}
     rows = []
     for name in args.geometries:
         model, extra, gib = models[name]

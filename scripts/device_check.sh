@@ -1,39 +1,113 @@
 #!/usr/bin/env bash
-# GPU check for a lent device machine (torch, triton, transformers, pytest; no sglang, no network).
+# The one prepared script for a lent GPU machine (H200: Python 3.12, torch 2.11, triton 3.6, transformers
+# 5.17, nvcc; no sglang, no network). Build the carry bundle first, here: bash scripts/device/build_bundle.sh
 #
-#   run (device tool):  bash scripts/device_check.sh        results under $OUT (default out/device_check)
+#   device tool:  run  command="bash scripts/device_check.sh"  carry=["out/device_bundle"]  timeout_s=600
+#   (steps' limits add up to ~9.5 min at worst; expected ~7)
+#   on CPU:       bash scripts/device/dry_run.sh   (a device-like Python 3.12 venv, then this script)
 #
-# 1. Makes the import root oscar_sglang (with kernels/, calibration/, configs/ mapped under it, as the
-#    installed package has them) from this checkout in a temp folder: no pip, no install.
-# 2. The kernel tests natively on CUDA: every Triton kernel (write, decode, extend) against its
-#    plain-torch reference, i.e. the decode path the server uses on a GPU vs the CPU path's numerics.
-# 3. The kernel benchmark (INT2 vs BF16 decode, bandwidth, write throughput) into $OUT.
-# Each step logs to $OUT; a failing step does not stop the later ones; the exit code is the first failure.
+# Steps (each logged, each with its own time limit; a failing step does not stop the others):
+#   env            GPU, driver, glibc, Python packages
+#   install        the bundle's wheels + this project + the sgl_kernel stand-in into a fresh folder
+#                  (scripts/device/install_bundle.sh), SGLang's torch-fallback environment
+#                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout
+#   kernel_tests   every Triton kernel (write, decode, extend) natively against its torch reference
+#   servers        the real SGLang servers, BF16 (triton backend, CUDA graphs) vs oscar-int2, dummy weights
+#                  of Llama-3-8B geometry, same KV budget: capacity, then sglang.bench_serving at 8k and
+#                  32k input, concurrency 1 and the largest each capacity allows (scripts/device/serve_bench.py)
+#   bench_kernels  INT2 decode vs the best BF16 decode (Triton split-K, SDPA flash, FlashInfer if there),
+#                  bandwidth as a fraction of the measured copy bandwidth (scripts/bench_kernels.py)
+# Without CUDA (the dry run) the same steps run small: SmolLM2 geometry, short prompts, the interpreter.
+#
+# ONLY="kernel_tests servers" runs just those steps (env, install, models always run): a rerun of what failed.
+# Results: $OUT/summary.txt, the reports (serve_bench.*, bench_kernels.*) and device_check.tar.gz with
+# every log, refreshed after each step (the device tool brings back at most 8 files from $OUT).
+# Exit code: the first failing step's.
 set -u -o pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$ROOT/out/device_check}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-PKG="$(mktemp -d)"
-cp -r "$ROOT/oscar_sglang" "$PKG/oscar_sglang"
-for sub in kernels calibration configs; do ln -s "$ROOT/$sub" "$PKG/oscar_sglang/$sub"; done
-export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
+BUNDLE="${BUNDLE:-$ROOT/out/device_bundle}"
+WORK="$(mktemp -d /tmp/oscar-device.XXXXXX)"
+RES="$WORK/results"
+mkdir -p "$OUT" "$RES"
+export PYTHONUNBUFFERED=1
 rc=0
-step() {  # name, command...
-    local name="$1"; shift
-    echo "== $name: $*" | tee -a "$OUT/summary.txt"
-    local t0=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
-    local r=$?
-    echo "   rc=$r in $((SECONDS - t0)) s; last lines:" | tee -a "$OUT/summary.txt"
-    tail -n 5 "$OUT/$name.log" | tee -a "$OUT/summary.txt"
-    [ $r -ne 0 ] && [ $rc -eq 0 ] && rc=$r
-    return 0
+T0=$SECONDS
+
+publish() {  # the latest reports and a tarball of everything into $OUT
+    cp "$RES"/summary.txt "$OUT"/ 2>/dev/null
+    for f in serve_bench.md serve_bench.json serve_bench.png bench_kernels.md bench_kernels.json bench_kernels.png \
+             bench_kernels_cpu_smoke.md; do
+        [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/"
+    done
+    tar czf "$OUT/device_check.tar.gz" -C "$WORK" results 2>/dev/null
 }
-step env "$PY" -c "import torch, triton, oscar_sglang.kernels.api as a; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'NO CUDA', a.__file__)"
-step kernel_tests "$PY" -m pytest -q -p no:cacheprovider "$ROOT"/tests/test_kernels_write.py \
-    "$ROOT"/tests/test_kernels_decode.py "$ROOT"/tests/test_kernels_extend.py
-step bench_kernels "$PY" "$ROOT/scripts/bench_kernels.py" --out "$OUT"
-rm -rf "$PKG"
+wanted() { [ -z "${ONLY:-}" ] || [[ " env install models $ONLY " == *" $1 "* ]]; }
+step() {  # name, time limit (s), command...
+    local name="$1" limit="$2"; shift 2
+    if ! wanted "$name"; then echo "== $name: skipped (ONLY=$ONLY)" | tee -a "$RES/summary.txt"; return 0; fi
+    echo "== $name (limit ${limit} s, at $((SECONDS - T0)) s): $*" | tee -a "$RES/summary.txt"
+    local t0=$SECONDS
+    timeout --kill-after=15 "$limit" "$@" > "$RES/$name.log" 2>&1
+    local r=$?
+    local note=""; [ $r -eq 124 ] || [ $r -eq 137 ] && note=" (TIMED OUT)"
+    echo "   rc=$r$note in $((SECONDS - t0)) s; last lines:" | tee -a "$RES/summary.txt"
+    tail -n 8 "$RES/$name.log" | sed 's/^/   | /' | tee -a "$RES/summary.txt"
+    [ $r -ne 0 ] && [ $rc -eq 0 ] && rc=$r
+    publish
+    return $r
+}
+
+GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1;
+  ldd --version | head -1; nproc; free -g | head -2; df -h /tmp | tail -1;
+  $PY -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
+    triton.__version__, transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"NO CUDA\")'"
+
+HAVE_SGLANG=0
+if [ -d "$BUNDLE/wheels" ] && step install 240 env PYTHON="$PY" bash "$ROOT/scripts/device/install_bundle.sh" "$BUNDLE" "$WORK/site"; then
+    # shellcheck source=scripts/device/server_env.sh
+    source "$ROOT/scripts/device/server_env.sh" "$WORK/site"
+    HAVE_SGLANG=1
+else
+    echo "== no bundle installed ($BUNDLE): server steps skipped; kernels from an import root of this checkout" \
+        | tee -a "$RES/summary.txt"
+    PKG="$WORK/pkg"
+    mkdir -p "$PKG"
+    cp -r "$ROOT/oscar_sglang" "$PKG/oscar_sglang"
+    for sub in kernels calibration configs; do ln -s "$ROOT/$sub" "$PKG/oscar_sglang/$sub"; done
+    export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# Python puts the working directory first on sys.path (python -m): run from a neutral one, so the
+# checkout's oscar_sglang/ folder never shadows the installed package (which maps kernels/ under it).
+cd "$WORK"
+
+step kernel_tests $([ "$GPU" = 1 ] && echo 100 || echo 400) "$PY" -m pytest -q -p no:cacheprovider \
+    --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
+    "$ROOT"/tests/test_kernels_extend.py
+
+if [ "$HAVE_SGLANG" = 1 ]; then
+    if [ "$GPU" = 1 ]; then
+        GEOM=llama3-8b; SERVE_LIMIT=300; SERVE=(--input-lens 8192 32768 --output-len 256 --kv-budget-gib 16
+                                                --time-limit 270 --run-timeout 100 --max-concurrency-cap 256)
+    else
+        GEOM=smollm2-135m; SERVE_LIMIT=480; SERVE=(--input-lens 256 --output-len 8 --kv-budget-gib 1
+                                                   --time-limit 400 --run-timeout 200 --max-concurrency-cap 4)
+    fi
+    step models 60 "$PY" "$ROOT/scripts/dummy_models.py" --tokenizer "$BUNDLE/tokenizer" --out "$WORK/models" \
+        --geometry "$GEOM" --hadamard \
+    && step servers "$SERVE_LIMIT" "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
+        --rotations "$WORK/models/$GEOM-hadamard" --dummy --dataset-path "$BUNDLE/sharegpt_shakespeare.json" \
+        --out "$RES" "${SERVE[@]}"
+fi
+
+if [ "$GPU" = 1 ]; then
+    step bench_kernels 130 "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --budget-s 80
+else
+    step bench_kernels 300 "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --cpu-smoke
+fi
+echo "== done in $((SECONDS - T0)) s, rc=$rc" | tee -a "$RES/summary.txt"
+publish
+rm -rf "$WORK"
 exit $rc

@@ -112,8 +112,7 @@ def serve_and_ask(model_dir: Path, rotations: Path, question: str) -> int:
     t0 = time.time()
     try:
         with launcher.local_server(model_dir, log, *flags) as url:
-            startup = [x for x in log.read_text().splitlines() if "oscar-int2 KV cache:" in x]
-            print(f"      ready in {time.time() - t0:.0f} s: {startup[0].split('] ', 1)[-1] if startup else '?'}",
+            print(f"      ready in {time.time() - t0:.0f} s: oscar-int2 KV cache: {launcher.startup_line(log) or '?'}",
                   flush=True)
             client = OpenAI(base_url=url + "/v1", api_key="none")
             reply = client.chat.completions.create(model="default", temperature=0, max_tokens=64,

@@ -134,6 +134,24 @@ def get(url: str, path: str, timeout_s: float = 60) -> dict:
         return json.load(r)
 
 
+def capacity(url: str) -> int:
+    """The KV capacity in tokens the server reports (``/get_server_info``: ``max_total_num_tokens``)."""
+    info = get(url, "/get_server_info")
+    tokens = info.get("max_total_num_tokens")
+    if tokens is None:  # the scheduler's fields sit under internal_states in some versions
+        tokens = info["internal_states"][0]["max_total_num_tokens"]
+    return int(tokens)
+
+
+def startup_line(log_path) -> str | None:
+    """What the plugin's startup line (``oscar-int2 KV cache: ...``) says in a server log, or None."""
+    marker = "oscar-int2 KV cache:"
+    for line in Path(log_path).read_text(errors="replace").splitlines():
+        if marker in line:
+            return line.split(marker, 1)[1].strip()
+    return None
+
+
 def flush_cache(url: str, timeout_s: float = 60, attempts: int = 30) -> None:
     """Empty the server's radix (prefix) cache.
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Dry run, on this CPU machine, of what scripts/device_check.sh does on the GPU test machine:
+#
+#   bash scripts/device/dry_run.sh          # ~10 min (+3 min the first time, for the venv); results in out/dry_run/
+#
+# 1. A Python 3.12 venv like the GPU machine's: torch 2.11.0 (+ torchvision, torchaudio), triton 3.6.0,
+#    transformers 5.17.0 and the machine's other packages (scripts/device/device_like_requirements.txt),
+#    minus every package the bundle carries, so a wheel missing from the bundle fails here first.
+#    Kept between runs (stamped).
+# 2. scripts/device_check.sh with that Python, exactly as on the device: the bundle (built if missing)
+#    installed into a fresh folder, `import sglang` and the plugins checked, the kernel tests (under
+#    Triton's interpreter here), the BF16 and oscar-int2 servers on a SmolLM2-geometry dummy model
+#    benchmarked by sglang.bench_serving (short prompts), the kernel benchmark's CPU smoke.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$root"
+work=${DRY_RUN_DIR:-/tmp/oscar-dry-run}
+out=$root/out/dry_run
+mkdir -p "$work" "$out"
+py312=
+for candidate in ${PYTHON312:-} python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+  if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then py312=$candidate; break; fi
+done
+if [ -z "$py312" ]; then
+  echo "the dry run needs Python 3.12 (set PYTHON312=/path/to/python3.12)" >&2
+  exit 1
+fi
+venv=$work/venv
+base="torch==2.11.0 triton==3.6.0 torchvision==0.26.0 torchaudio==2.11.0"   # as on the GPU machine
+stamp=$( { echo "$py312 $base"; cat scripts/device/device_like_requirements.txt; } | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$venv/.stamp" 2>/dev/null)" != "$stamp" ]; then
+  echo "[dry-run] building a device-like Python 3.12 venv in $venv"
+  rm -rf "$venv"
+  "$py312" -m venv "$venv"
+  pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+  "${pip[@]}" $base
+  "${pip[@]}" -r scripts/device/device_like_requirements.txt
+  echo "$stamp" > "$venv/.stamp"
+fi
+# What the GPU machine lacks must come from the bundle: remove whatever the installs above pulled in
+# (but not what the machine has too, marked "also on the device").
+carried=$(grep -v -e '^#' -e 'also on the device' scripts/device/bundle_wheels.txt | sed 's/==.*//' | tr '\n' ' ')
+"$venv/bin/python" -m pip uninstall --yes --quiet $carried 2>/dev/null || true
+py=$venv/bin/python
+"$py" -c 'import torch, triton, transformers; print(f"[dry-run] python 3.12 venv: torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")'
+
+[ -f out/device_bundle/bundle.json ] || bash scripts/device/build_bundle.sh
+rm -rf "$out"
+OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} bash scripts/device_check.sh
+echo "[dry-run] done in $SECONDS s; results in $out"

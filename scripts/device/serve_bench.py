@@ -1,0 +1,218 @@
+"""Real SGLang servers side by side, BF16 vs oscar-int2: the KV capacity each reports, then bench_serving.
+
+    python scripts/device/serve_bench.py --model M --rotations R --dataset-path P --out OUT
+
+One server per cache, one after the other, with the same flags and the same
+fixed KV memory budget (``--kv-budget-gib``, through ``OSCAR_SGLANG_KV_BUDGET_BYTES``;
+0 = SGLang's own profile of free memory at ``--mem-fraction-static``):
+
+* ``bf16``: SGLang's default KV cache with its ``triton`` attention backend,
+  CUDA graphs on (decode graphs up to ``--cuda-graph-max-bs``);
+* ``oscar-int2``: ``--kv-cache-dtype oscar-int2 --oscar-rotations R`` (the
+  plugin's backend; CUDA graphs are off with it today).
+
+For each, the capacity in tokens from ``/get_server_info``, then
+``python -m sglang.bench_serving --backend sglang --dataset-name random`` at
+each input length (output ``--output-len`` tokens, ``ignore_eos``) at
+concurrency 1 and at the largest concurrency the capacity allows
+(``capacity // (input + output)``, capped by ``--max-concurrency-cap``), one
+wave of requests each: output tokens/s, TTFT and ITL (median and p99).
+Outputs ``OUT/serve_bench.{md,json,png}``.  A global ``--time-limit`` skips
+the remaining runs (recorded as skipped) so a lent GPU's minutes are not
+overrun.  Without CUDA (the dry run) the same code serves on SGLang's CPU
+engine (torch_native attention for BF16, no CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from oscar_sglang.sglang import launcher
+from oscar_sglang.sglang.settings import ENV_KV_BUDGET
+
+CACHES = ("bf16", "oscar-int2")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, required=True, help="model folder (config-only with --dummy)")
+    p.add_argument("--rotations", type=Path, required=True, help="rotations directory for --kv-cache-dtype oscar-int2")
+    p.add_argument("--dataset-path", type=Path, required=True, help="ShareGPT-format JSON (the bundle ships one)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dummy", action="store_true", help="--load-format dummy (random weights)")
+    p.add_argument("--input-lens", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--kv-budget-gib", type=float, default=16.0)
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--max-concurrency-cap", type=int, default=256)
+    p.add_argument("--single-prompts", type=int, default=2, help="requests of the concurrency-1 runs")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=32)
+    p.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
+    p.add_argument("--time-limit", type=float, default=300.0, help="seconds for everything; later runs are skipped")
+    p.add_argument("--run-timeout", type=float, default=150.0, help="seconds for one bench_serving run")
+    return p.parse_args(argv)
+
+
+def server_flags(cache: str, args, cpu: bool) -> list[str]:
+    flags = ["--mem-fraction-static", str(args.mem_fraction_static), "--sampling-backend", "pytorch",
+             "--grammar-backend", "none", "--context-length", str(max(args.input_lens) + args.output_len + 1024)]  # re-tokenized prompts drift
+    if args.dummy:
+        flags += ["--load-format", "dummy"]
+    if cache == "oscar-int2":
+        flags += ["--kv-cache-dtype", "oscar-int2", "--oscar-rotations", str(args.rotations)]
+    elif not cpu:
+        flags += ["--attention-backend", "triton", "--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs)]
+    if not cpu:
+        flags += ["--cuda-graph-backend-prefill", "disabled"]
+    return flags
+
+
+def bench(url: str, args, input_len: int, concurrency: int, prompts: int, out_file: Path) -> dict:
+    """One ``sglang.bench_serving`` run; its result record (JSON) plus the wall time."""
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
+           "--dataset-name", "random", "--dataset-path", str(args.dataset_path), "--tokenizer", str(args.model),
+           "--random-input-len", str(input_len), "--random-output-len", str(args.output_len),
+           "--random-range-ratio", "1.0", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
+           "--request-rate", "inf", "--output-file", str(out_file), "--seed", str(input_len + concurrency)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not out_file.exists():
+        raise RuntimeError(f"bench_serving exited {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}")
+    rec = json.loads(out_file.read_text().strip().splitlines()[-1])
+    keep = ("completed", "duration", "output_throughput", "total_output_tokens", "median_ttft_ms", "p99_ttft_ms",
+            "median_itl_ms", "p99_itl_ms", "mean_itl_ms")
+    return {"wall_s": wall, **{k: rec.get(k) for k in keep}}
+
+
+def serve_and_bench(cache: str, args, deadline: float, cpu: bool) -> dict:
+    env = launcher.server_env(cpu)
+    if args.kv_budget_gib > 0:
+        env[ENV_KV_BUDGET] = str(int(args.kv_budget_gib * 2**30))
+    log = args.out / f"server_{cache}.log"
+    flags = server_flags(cache, args, cpu)
+    res = {"cache": cache, "flags": flags, "runs": []}
+    t0 = time.perf_counter()
+    with launcher.local_server(args.model, log, *flags, cpu=cpu, env=env,
+                               timeout_s=max(30.0, deadline - time.perf_counter())) as url:
+        res["start_s"] = time.perf_counter() - t0
+        res["capacity"] = launcher.capacity(url)
+        res["startup_line"] = launcher.startup_line(log)
+        print(f"[{cache}] ready in {res['start_s']:.0f} s, capacity {res['capacity']} tokens", flush=True)
+        for input_len in args.input_lens:
+            per_req = input_len + args.output_len
+            most = min(res["capacity"] // per_req, args.max_concurrency_cap)
+            for conc in sorted({1, most}):
+                run = {"input_len": input_len, "concurrency": conc, "max_by_capacity": res["capacity"] // per_req}
+                left = deadline - time.perf_counter()
+                if conc < 1:
+                    run["skipped"] = f"one request of {per_req} tokens does not fit {res['capacity']} tokens"
+                elif left < 20:
+                    run["skipped"] = f"time limit ({left:.0f} s left)"
+                else:
+                    prompts = args.single_prompts if conc == 1 else conc
+                    try:
+                        run.update(bench(url, args, input_len, conc, prompts,
+                                         args.out / f"bench_{cache}_{input_len}_{conc}.jsonl"))
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:
+                        run["error"] = str(e)[-1500:]
+                print(f"[{cache}] input {input_len} x{conc}: " + (
+                    f"{run['output_throughput']:.1f} out tok/s, ITL median {run['median_itl_ms']:.2f} ms, "
+                    f"TTFT median {run['median_ttft_ms']:.0f} ms" if "output_throughput" in run
+                    else run.get("skipped") or run.get("error", "")[-300:]), flush=True)
+                res["runs"].append(run)
+    return res
+
+
+def write_report(results: list[dict], args, cpu: bool) -> None:
+    import torch
+
+    device = "CPU (dry run)" if cpu else torch.cuda.get_device_name(0)
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    cmd = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
+    (args.out / "serve_bench.json").write_text(json.dumps(
+        {"date": date, "device": device, "command": cmd, "torch": torch.__version__, "results": results}, indent=1))
+    budget = f"{args.kv_budget_gib:g} GiB fixed KV budget" if args.kv_budget_gib > 0 else \
+        f"SGLang's memory profile at --mem-fraction-static {args.mem_fraction_static}"
+    lines = [f"# Real SGLang servers, BF16 vs oscar-int2 ({device}, {date})", "",
+             f"Command: `{cmd}`", "",
+             f"Model: `{args.model.name}`{' (dummy weights)' if args.dummy else ''}; {budget}; output "
+             f"{args.output_len} tokens, ignore_eos; `sglang.bench_serving --dataset-name random` over the "
+             f"bundle's Shakespeare prompts.", ""]
+    by = {r["cache"]: r for r in results}
+    lines += ["| cache | capacity (tokens) | start (s) |", "|---|---|---|"]
+    lines += [f"| {r['cache']} | {r.get('capacity', '-')} | {r.get('start_s', float('nan')):.0f} |" for r in results]
+    if by.get("bf16", {}).get("capacity") and by.get("oscar-int2", {}).get("capacity"):
+        lines += ["", f"Capacity ratio INT2 / BF16: {by['oscar-int2']['capacity'] / by['bf16']['capacity']:.2f}x"]
+    lines += ["", "| cache | input | concurrency | out tok/s | TTFT median ms | TTFT p99 ms | ITL median ms | "
+                  "ITL p99 ms | note |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for run in r.get("runs", []):
+            if "output_throughput" in run:
+                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | "
+                             f"{run['output_throughput']:.1f} | {run['median_ttft_ms']:.0f} | {run['p99_ttft_ms']:.0f} | "
+                             f"{run['median_itl_ms']:.2f} | {run['p99_itl_ms']:.2f} | |")
+            else:
+                note = (run.get("skipped") or run.get("error", "")).replace("\n", " ").replace("|", "/")[:160]
+                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | - | - | - | "
+                             f"{note} |")
+        if r.get("error"):
+            lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | server: "
+                         f"{r['error'][-300:].replace(chr(10), ' ').replace('|', '/')} |")
+    (args.out / "serve_bench.md").write_text("\n".join(lines) + "\n")
+    plot(results, args.out / "serve_bench.png", device)
+
+
+def plot(results: list[dict], path: Path, device: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "output_throughput", "output tokens/s"),
+                           (axes[1], "median_itl_ms", "median ITL (ms)")):
+        labels, xs = [], 0
+        for r in results:
+            runs = [x for x in r.get("runs", []) if key in x and x[key] is not None]
+            for run in runs:
+                ax.bar(xs, run[key], color="tab:blue" if r["cache"] == "bf16" else "tab:orange")
+                labels.append(f"{r['cache']}\n{run['input_len'] // 1024}k x{run['concurrency']}")
+                xs += 1
+        ax.set_xticks(range(len(labels)), labels, fontsize=7)
+        ax.set_title(title)
+    fig.suptitle(f"SGLang server, BF16 vs oscar-int2 ({device})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    cpu = not launcher.cuda_visible()
+    deadline = time.perf_counter() + args.time_limit
+    results = []
+    for cache in args.caches:
+        try:
+            results.append(serve_and_bench(cache, args, deadline, cpu))
+        except (launcher.ServerError, OSError, RuntimeError) as e:
+            print(f"[{cache}] server failed: {str(e)[-2000:]}", flush=True)
+            results.append({"cache": cache, "error": str(e)[-4000:], "runs": []})
+    write_report(results, args, cpu)
+    print((args.out / "serve_bench.md").read_text(), flush=True)
+    ok = all("error" not in r and all("error" not in x for x in r["runs"]) for r in results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
