@@ -34,6 +34,12 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TENSORS = "rotations.safetensors"
 ORTHOGONALITY_TOL = 1e-4
+# A rotations directory is untrusted input: sizes are bounded before anything is read or allocated.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_HEADER_BYTES = 16 << 20
+FINGERPRINT_BOUNDS = {"num_layers": 4096, "hidden_size": 1 << 20, "num_attention_heads": 4096,
+                      "num_kv_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 24}
+TENSOR_DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
 
@@ -99,7 +105,8 @@ class LayerRotation:
 
     TENSOR_NAMES = ("k_rotation", "v_rotation", "k_mean", "k_clip", "v_clip")
 
-    def expected_shapes(self, kv_heads: int, d: int) -> dict[str, tuple[int, ...]]:
+    @staticmethod
+    def expected_shapes(kv_heads: int, d: int) -> dict[str, tuple[int, ...]]:
         return {
             "k_rotation": (kv_heads, d, d),
             "v_rotation": (kv_heads, d, d),
@@ -138,7 +145,7 @@ class RotationArtifacts:
         if self.sink < 0 or self.recent < 0:
             raise ArtifactError(f"{where}: sink ({self.sink}) and recent ({self.recent}) windows must be >= 0")
         for i, layer in enumerate(self.layers):
-            for name, shape in layer.expected_shapes(fp.num_kv_heads, fp.head_dim).items():
+            for name, shape in LayerRotation.expected_shapes(fp.num_kv_heads, fp.head_dim).items():
                 t = getattr(layer, name)
                 key = f"layers.{i}.{name}"
                 if tuple(t.shape) != shape:
@@ -183,10 +190,21 @@ def save(art: RotationArtifacts, directory: str | os.PathLike) -> Path:
     return out
 
 
+def _inside(root: Path, path: Path) -> Path:
+    """``path`` itself, refused when it (through links) resolves outside ``root`` or is not a plain file."""
+    real = path.resolve()
+    if not real.is_relative_to(root.resolve()):
+        raise ArtifactError(f"{path}: points outside the rotations directory (to {real}); refusing to read it")
+    return path
+
+
 def _read_manifest(path: Path) -> dict:
     if not path.is_file():
         raise ArtifactError(f"{path}: missing; a rotations directory needs {MANIFEST} and {TENSORS} "
                             "(create one with oscar-calibrate)")
+    size = path.stat().st_size
+    if size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(f"{path}: {size} bytes, more than a manifest can be ({MAX_MANIFEST_BYTES})")
     try:
         manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -200,7 +218,63 @@ def _read_manifest(path: Path) -> dict:
     for key in ("method", "model", "defaults"):
         if key not in manifest:
             raise ArtifactError(f"{path}: missing the {key!r} entry")
+    if not isinstance(manifest["model"], dict) or not isinstance(manifest["defaults"], dict):
+        raise ArtifactError(f"{path}: 'model' and 'defaults' must be JSON objects")
+    for key, bound in FINGERPRINT_BOUNDS.items():
+        value = manifest["model"].get(key)
+        if type(value) is not int or not 0 < value <= bound:
+            raise ArtifactError(f"{path}: model.{key} must be an integer in [1, {bound}], got {value!r}")
+    for key in ("sink", "recent", "group_size"):
+        value = manifest["defaults"].get(key)
+        if value is not None and (type(value) is not int or not 0 <= value <= 1 << 24):
+            raise ArtifactError(f"{path}: defaults.{key} must be an integer in [0, {1 << 24}], got {value!r}")
     return manifest
+
+
+def _check_tensor_header(path: Path, fp: ModelFingerprint) -> None:
+    """Read only the safetensors header and check it names exactly the expected tensors, shapes and sizes.
+
+    Runs before the tensors are loaded, so a hostile or corrupted file can
+    make the loader allocate nothing beyond what the fingerprint implies.
+    """
+    expected = {f"layers.{i}.{name}": shape for i in range(fp.num_layers)
+                for name, shape in LayerRotation.expected_shapes(fp.num_kv_heads, fp.head_dim).items()}
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ArtifactError(f"{path}: unreadable safetensors file (shorter than its 8-byte header length)")
+        n = int.from_bytes(raw, "little")
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise ArtifactError(f"{path}: unreadable safetensors file (header of {n} bytes in a {size}-byte file)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ArtifactError(f"{path}: unreadable safetensors file (header is not JSON: {e})") from None
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{path}: unreadable safetensors file (header is not a JSON object)")
+    header.pop("__metadata__", None)
+    unexpected = sorted(set(header) - set(expected))
+    if unexpected:
+        raise ArtifactError(f"{path}: unexpected tensors {', '.join(unexpected[:5])}"
+                            f"{' ...' if len(unexpected) > 5 else ''} for a model of {fp.num_layers} layers")
+    end = 0
+    for key, info in header.items():
+        shape, dtype, offsets = info.get("shape"), info.get("dtype"), info.get("data_offsets")
+        if dtype not in TENSOR_DTYPES:
+            raise ArtifactError(f"{path}: {key} has dtype {dtype!r}; expected one of {', '.join(TENSOR_DTYPES)}")
+        if not isinstance(shape, list) or tuple(shape) != expected[key]:
+            raise ArtifactError(f"{path}: {key} has shape {tuple(shape) if isinstance(shape, list) else shape}, "
+                                f"expected {expected[key]} "
+                                f"(kv_heads={fp.num_kv_heads}, head_dim={fp.head_dim})")
+        nbytes = math.prod(shape) * TENSOR_DTYPES[dtype]
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or offsets[1] - offsets[0] != nbytes or offsets[0] < 0):
+            raise ArtifactError(f"{path}: {key} has data offsets {offsets} that do not hold {nbytes} bytes")
+        end = max(end, offsets[1])
+    if 8 + n + end != size:
+        raise ArtifactError(f"{path}: unreadable safetensors file ({size} bytes, but its header describes "
+                            f"{8 + n + end}: truncated or padded)")
 
 
 def load(
@@ -214,7 +288,7 @@ def load(
     root = Path(directory)
     if not root.is_dir():
         raise ArtifactError(f"{root}: rotations directory does not exist (create one with oscar-calibrate)")
-    manifest_path = root / MANIFEST
+    manifest_path = _inside(root, root / MANIFEST)
     manifest = _read_manifest(manifest_path)
     try:
         fp = ModelFingerprint(**manifest["model"])
@@ -224,9 +298,10 @@ def load(
         diffs = fp.mismatches(expect)
         if diffs:
             raise ArtifactError(f"{manifest_path}: calibrated for a different model: " + "; ".join(diffs))
-    tensors_path = root / TENSORS
+    tensors_path = _inside(root, root / TENSORS)
     if not tensors_path.is_file():
         raise ArtifactError(f"{tensors_path}: missing; the rotations directory is incomplete")
+    _check_tensor_header(tensors_path, fp)
     try:
         tensors = load_file(str(tensors_path))
     except (SafetensorError, OSError, ValueError) as e:

@@ -173,3 +173,104 @@ def test_save_refuses_invalid(tmp_path):
     with pytest.raises(art.ArtifactError, match="not orthogonal"):
         art.save(a, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+# ---- a rotations directory is untrusted input: bounded before anything is read or allocated ----
+
+@pytest.fixture
+def no_tensor_load(monkeypatch):
+    """Fail the test if the tensors are loaded (the refusal must come from the header or the manifest)."""
+    import safetensors.torch
+
+    def refuse(*_a, **_k):
+        raise AssertionError("safetensors.torch.load_file was called for a file that should have been refused")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+
+
+def test_oversized_manifest_is_not_read(saved):
+    (saved / art.MANIFEST).write_text(" " * (art.MAX_MANIFEST_BYTES + 1))
+    with pytest.raises(art.ArtifactError, match=r"manifest\.json: \d+ bytes, more than a manifest can be"):
+        art.load(saved)
+
+
+@pytest.mark.parametrize("key,value", [("num_layers", 10**9), ("head_dim", 0), ("num_kv_heads", -1),
+                                       ("num_layers", "3"), ("vocab_size", 2.0), ("hidden_size", True)])
+def test_fingerprint_out_of_bounds_is_refused_before_the_tensors(saved, no_tensor_load, key, value):
+    _rewrite_manifest(saved, lambda m: m["model"].__setitem__(key, value))
+    with pytest.raises(art.ArtifactError, match=rf"manifest\.json: model\.{key} must be an integer in \[1, \d+\]"):
+        art.load(saved)
+
+
+@pytest.mark.parametrize("key,value", [("sink", -4), ("recent", "256"), ("group_size", 10**12)])
+def test_bad_defaults_are_refused(saved, key, value):
+    _rewrite_manifest(saved, lambda m: m["defaults"].__setitem__(key, value))
+    with pytest.raises(art.ArtifactError, match=rf"manifest\.json: defaults\.{key} must be an integer"):
+        art.load(saved)
+
+
+def test_huge_header_length_is_refused(saved, no_tensor_load):
+    data = (saved / art.TENSORS).read_bytes()
+    (saved / art.TENSORS).write_bytes((2**40).to_bytes(8, "little") + data[8:])
+    with pytest.raises(art.ArtifactError, match=r"rotations\.safetensors: unreadable safetensors file \(header of"):
+        art.load(saved)
+
+
+def test_unexpected_tensor_is_refused(saved, no_tensor_load):
+    t = load_file(str(saved / art.TENSORS))  # bound at import, before no_tensor_load patched the module
+    t["layers.7.k_rotation"] = torch.zeros(1)
+    save_file(t, str(saved / art.TENSORS))
+    with pytest.raises(art.ArtifactError, match=r"unexpected tensors layers\.7\.k_rotation for a model of 3 layers"):
+        art.load(saved)
+
+
+def test_huge_declared_shape_is_refused(saved, no_tensor_load):
+    path = saved / art.TENSORS
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header["layers.0.k_mean"]["shape"] = [2, 10**9]
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+    with pytest.raises(art.ArtifactError, match=r"layers\.0\.k_mean has shape \(2, 1000000000\), expected \(2, 32\)"):
+        art.load(saved)
+
+
+def test_integer_dtype_is_refused(saved, no_tensor_load):
+    _rewrite_tensor(saved, "layers.0.k_clip", lambda t: t.to(torch.int32))
+    with pytest.raises(art.ArtifactError, match=r"layers\.0\.k_clip has dtype 'I32'"):
+        art.load(saved)
+
+
+def test_truncated_tensor_data_is_refused(saved, no_tensor_load):
+    path = saved / art.TENSORS
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(art.ArtifactError, match=r"rotations\.safetensors: unreadable safetensors file \(\d+ bytes, but its header describes \d+"):
+        art.load(saved)
+
+
+def test_files_linked_from_outside_the_directory_are_refused(saved, tmp_path):
+    outside = tmp_path / "elsewhere.safetensors"
+    (saved / art.TENSORS).rename(outside)
+    (saved / art.TENSORS).symlink_to(outside)
+    with pytest.raises(art.ArtifactError, match=r"rotations\.safetensors: points outside the rotations directory"):
+        art.load(saved)
+    (saved / art.MANIFEST).rename(tmp_path / "m.json")
+    (saved / art.MANIFEST).symlink_to(tmp_path / "m.json")
+    with pytest.raises(art.ArtifactError, match=r"manifest\.json: points outside the rotations directory"):
+        art.load(saved)
+
+
+def test_a_pickle_is_never_unpickled(saved, monkeypatch):
+    import pickle
+
+    torch.save({"layers.0.k_rotation": torch.eye(32)}, saved / art.TENSORS)  # a pickle under the expected name
+
+    def refuse(*_a, **_k):
+        raise AssertionError("unpickling attempted")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    with pytest.raises(art.ArtifactError, match=r"rotations\.safetensors: unreadable safetensors file"):
+        art.load(saved)
