@@ -66,6 +66,8 @@ def collect_statistics(model, sequences, cfg: CalibrationConfig, progress=True) 
     with torch.no_grad(), capture.tapped(model, collector):
         for ids in tqdm(sequences, desc="capture statistics", unit="seq", disable=not progress):
             model(ids.reshape(1, -1).to(model.device), use_cache=False)
+    for st in collector.layers:  # the fit runs on the CPU (small d x d problems per KV head)
+        st.to("cpu")
     return collector
 
 
@@ -130,9 +132,9 @@ def fit(model, collector: StatsCollector | None, cfg: CalibrationConfig, summary
         clips = _clips(st.samples, r_k, r_v, mu, cfg, group, scale, cfg.seed + i)
         row = {"layer": i}
         if cfg.method == "optr":
-            res = refine_layer(st.samples, r_k, r_v, mu, clips["k_clip"], clips["v_clip"], mods[i].o_proj.weight.detach(),
-                               sink=cfg.sink, recent=cfg.recent, group=group, scale=scale, cfg=cfg.optr,
-                               seed=cfg.seed + 1000 + i)
+            w_o = mods[i].o_proj.weight.detach().cpu()
+            res = refine_layer(st.samples, r_k, r_v, mu, clips["k_clip"], clips["v_clip"], w_o, sink=cfg.sink,
+                               recent=cfg.recent, group=group, scale=scale, cfg=cfg.optr, seed=cfg.seed + 1000 + i)
             r_k, r_v = res["k_rotation"], res["v_rotation"]
             clips = _clips(st.samples, r_k, r_v, mu, cfg, group, scale, cfg.seed + i)
             row.update({name: res[name].tolist() for name in

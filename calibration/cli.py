@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optr-lambda", type=float, default=OptRConfig.output_weight, help="weight of the output term")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="auto", choices=model_io.DEVICES,
+                   help="where the model runs for the capture (default auto: CUDA when visible; the fit runs on CPU)")
+    p.add_argument("--dtype", default="auto", choices=("auto", *model_io.DTYPES),
+                   help="model dtype (default auto: bfloat16 on a GPU or a CPU with native bf16, else float32)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -62,8 +66,12 @@ def main(argv=None) -> int:
         if args.method not in ("identity", "hadamard"):
             # Fail before the long part if the windows swallow every sequence.
             query_positions(args.seq_len, args.sink, args.recent, 1, torch.Generator())
+        device = model_io.resolve_device(args.device)
+        dtype = model_io.resolve_dtype(args.dtype, device)
         texts = data.load_texts(args.data)
-        lm, tok, path = model_io.load(args.model)
+        lm, tok, path = model_io.load(args.model, dtype=dtype, device=device)
+        if not args.quiet:
+            print(f"model {path} on {device} in {str(dtype).removeprefix('torch.')}", flush=True)
         seqs = data.sequences_from_texts(tok, texts, args.seq_len, args.tokens)
         cfg = CalibrationConfig(
             method=args.method, sink=args.sink, recent=args.recent, group_size=args.group,
@@ -74,13 +82,18 @@ def main(argv=None) -> int:
         artifact, report = calibrate(lm, seqs, cfg, data_summary, progress=not args.quiet)
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         artifact.calibration["peak_rss_mb"] = round(peak_mb)
+        artifact.calibration["device"], artifact.calibration["dtype"] = device, str(dtype).removeprefix("torch.")
+        gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+        if gpu_mb is not None:
+            artifact.calibration["peak_gpu_mb"] = round(gpu_mb)
         art.save(artifact, args.out)
     except (FileNotFoundError, ValueError) as e:
         print(f"oscar-calibrate: error: {e}", file=sys.stderr)
         return 2
     print(summary_table(report))
     print(f"\nwrote {args.out} ({artifact.method}, {artifact.calibration['tokens']} tokens from {args.data}, "
-          f"{len(artifact.layers)} layers) in {time.time() - t0:.0f} s, peak RSS {peak_mb:.0f} MB")
+          f"{len(artifact.layers)} layers) in {time.time() - t0:.0f} s, peak RSS {peak_mb:.0f} MB"
+          + (f", peak GPU memory {gpu_mb:.0f} MB" if gpu_mb is not None else ""))
     return 0
 
 

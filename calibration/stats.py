@@ -54,6 +54,10 @@ class LayerStats:
     def key_mean(self) -> torch.Tensor:
         return self.k_sum / max(self.tokens, 1)
 
+    def to(self, device) -> None:
+        """Move the float64 sums (the kept samples stay on the CPU in bf16)."""
+        self.c_q, self.c_s, self.k_sum = (t.to(device) for t in (self.c_q, self.c_s, self.k_sum))
+
 
 class StatsCollector:
     """A capture tap (see :mod:`.capture`) that accumulates :class:`LayerStats` per layer."""
@@ -85,6 +89,8 @@ class StatsCollector:
         b, _, s, _ = q.shape
         if k.shape[2] != s:
             raise ValueError("statistics need whole sequences without a KV cache (use_cache=False)")
+        if st.c_q.device != q.device:  # the sums live where the model runs (float64 there), from the first batch
+            st.to(q.device)
         qd = self._grouped(q.double())
         st.c_q += torch.einsum("bgrsd,bgrse->gde", qd, qd)
         kd, vd = k.double(), v.double()

@@ -3,7 +3,7 @@
 # 5.17, nvcc; no sglang, no network). Build the carry bundle first, here: bash scripts/device/build_bundle.sh
 #
 #   device tool:  run  command="bash scripts/device_check.sh"  carry=["out/device_bundle"]  timeout_s=600
-#   (steps' limits add up to ~9.5 min at worst; expected ~7)
+#   (steps' limits add up to ~12 min at worst; expected ~8; the calibration step comes last)
 #   on CPU:       bash scripts/device/dry_run.sh   (a device-like Python 3.12 venv, then this script)
 #
 # Steps (each logged, each with its own time limit; a failing step does not stop the others):
@@ -17,6 +17,8 @@
 #                  32k input, concurrency 1 and the largest each capacity allows (scripts/device/serve_bench.py)
 #   bench_kernels  INT2 decode vs the best BF16 decode (Triton split-K, SDPA flash, FlashInfer if there),
 #                  bandwidth as a fraction of the measured copy bandwidth (scripts/bench_kernels.py)
+#   calibration    the calibration pipeline's time and memory for that geometry, random weights built on the
+#                  GPU, 8k tokens of the bundle's text (scripts/device/calibrate_bench.py)
 # Without CUDA (the dry run) the same steps run small: SmolLM2 geometry, short prompts, the interpreter.
 #
 # ONLY="kernel_tests servers" runs just those steps (env, install, models always run): a rerun of what failed.
@@ -106,6 +108,13 @@ if [ "$GPU" = 1 ]; then
     step bench_kernels 130 "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --budget-s 80
 else
     step bench_kernels 300 "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --cpu-smoke
+fi
+# The calibration pipeline's speed where the model runs: the models step's geometry with random weights
+# built on the device, statistics captured there, the fit on the CPU (accuracy is not measured here).
+if [ -d "$WORK/models" ]; then
+    step calibration $([ "$GPU" = 1 ] && echo 180 || echo 300) "$PY" "$ROOT/scripts/device/calibrate_bench.py" \
+        --model "$WORK/models/$GEOM" --text "$BUNDLE/sharegpt_shakespeare.json" --out "$RES" \
+        --tokens $([ "$GPU" = 1 ] && echo 8192 || echo 2048)
 fi
 echo "== done in $((SECONDS - T0)) s, rc=$rc" | tee -a "$RES/summary.txt"
 publish
