@@ -18,7 +18,7 @@ from oscar_sglang import format as fmt
 from oscar_sglang import rotation as rot
 from oscar_sglang.artifacts import RotationArtifacts
 
-from . import capture, data
+from . import capture, data, diagnostics
 from . import model as model_io
 
 
@@ -44,16 +44,14 @@ def per_layer_errors(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], art: Rota
 
 
 def key_statistics(kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> list[dict]:
-    """Why keys are hard at INT2, per layer: the share of key energy in the per-head mean
-    (``||mean||^2 / E||k||^2``, what centering removes) and the largest channel RMS over the
-    median channel RMS (outlier channels, what a rotation spreads)."""
+    """Why keys are hard at INT2, per layer (means over KV heads of :func:`diagnostics.shape_statistics`):
+    the share of key energy in the per-head mean (what centering removes) and the largest channel RMS over
+    the median channel RMS (outlier channels, what a rotation spreads)."""
     rows = []
     for layer, (k, _) in sorted(kv.items()):
-        k = k.double()
-        mean_share = (k.mean(0).pow(2).sum(-1) / k.pow(2).sum(-1).mean(0)).mean().item()
-        rms = k.pow(2).mean(0).sqrt()  # [kv_heads, d]
-        outlier = (rms.amax(-1) / rms.median(-1).values).mean().item()
-        rows.append({"layer": layer, "key_mean_energy_share": mean_share, "key_max_over_median_channel_rms": outlier})
+        st = diagnostics.shape_statistics(k)
+        rows.append({"layer": layer, "key_mean_energy_share": st["mean_share"].mean().item(),
+                     "key_max_over_median_channel_rms": st["rms_spread"].mean().item()})
     return rows
 
 
@@ -84,11 +82,13 @@ def markdown_table(results: dict[str, list[dict]]) -> str:
 
 
 def measure(model_path=None, eval_text=None, center_text=None, tokens=2048, seq_len=512,
-            skip_tokens=1000, text_folder=None):
-    """Identity, Hadamard and centred-Hadamard errors on real keys/values; returns ``(results, meta)``.
+            skip_tokens=1000, text_folder=None, levers: dict[str, RotationArtifacts] | None = None):
+    """Identity, Hadamard and centred-Hadamard errors on real keys/values; returns ``(results, meta, diagnosis)``.
 
     The centred control takes its key means from ``center_text``, never from the text it is measured on.
     Defaults: the first evaluation and the first calibration text of ``configs/text_split.json``.
+    ``diagnosis`` is :func:`diagnostics.diagnose` per (layer, KV head) with those three levers and
+    ``levers`` (e.g. calibrated artifacts) after them.
     """
     cal_texts, eval_texts = configs.text_split()
     eval_text = eval_text or eval_texts[0]
@@ -109,10 +109,11 @@ def measure(model_path=None, eval_text=None, center_text=None, tokens=2048, seq_
         "hadamard+center": with_key_means(hadamard, kv_center, "hadamard+center"),
     }
     results = {name: per_layer_errors(kv_eval, a) for name, a in methods.items()}
+    diagnosis = diagnostics.diagnose(kv_eval, {**methods, **(levers or {})})
     meta = {
         "model": str(path), "fingerprint": fp.__dict__, "eval_text": eval_text, "center_text": center_text,
         "eval_tokens": sum(s.numel() for s in eval_seqs), "seq_len": seq_len, "skip_tokens": skip_tokens,
         "group_size": fp.head_dim, "bits_per_element": 2 + 32 / fp.head_dim,
         "key_statistics": key_statistics(kv_eval),
     }
-    return results, meta
+    return results, meta, diagnosis

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from oscar_sglang.calibration import roundtrip
+from oscar_sglang import artifacts as art
+from oscar_sglang.calibration import diagnostics, roundtrip
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +46,32 @@ def plot(results, meta, path: Path) -> None:
     plt.close(fig)
 
 
+def write_diagnostics(rows, meta, out: Path) -> None:
+    """Per (layer, KV head): what makes keys/values hard and the error after each lever."""
+    levers = list(rows[0]["error"])
+    best = levers[-1]
+    title = (f"{Path(meta['model']).name}: {meta['eval_tokens']} tokens of {meta['eval_text']} "
+             f"(key means from {meta['center_text']}), {meta['bits_per_element']} bits/elt")
+    (out / "diagnostics.json").write_text(json.dumps({"meta": {k: v for k, v in meta.items() if k != "key_statistics"},
+                                                      "rows": rows}, indent=1) + "\n")
+    lines = [f"# INT2 diagnostics per layer and KV head ({meta['date']})", "",
+             f"Command: `{meta['command'].strip()}`; {title}.", "",
+             "Mean share: energy in the per-head channel mean (what key centering removes); max/median "
+             "channel RMS and outlier channels (RMS > 4x the median): what a rotation spreads; errors: "
+             "INT2 round trip ||Q(x') - x'|| / ||x|| after each lever, cumulatively "
+             f"({', '.join(levers)}).", "",
+             f"The {min(12, len(rows))} hardest (layer, head, K/V) after `{best}`:", "",
+             diagnostics.worst_table(rows, best), ""]
+    for which, name in (("k", "keys"), ("v", "values")):
+        sel = [r for r in rows if r["tensor"] == which]
+        means = ", ".join(f"{x} {sum(r['error'][x] for r in sel) / len(sel):.3f}" for x in levers)
+        lines.append(f"Mean over {len(sel)} (layer, head) of the {name}: {means}; mean share "
+                     f"{sum(r['mean_share'] for r in sel) / len(sel):.2f}, max/median channel RMS "
+                     f"{sum(r['rms_spread'] for r in sel) / len(sel):.1f}.")
+    (out / "diagnostics.md").write_text("\n".join(lines) + "\n")
+    diagnostics.plot(rows, out / "diagnostics.png", title)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model folder or GGUF file (default: embedded SmolLM2-135M)")
@@ -53,11 +80,14 @@ def main(argv=None) -> int:
     p.add_argument("--text-folder", type=Path, default=None, help="folder of .txt files (default: Shakespeare cache)")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for roundtrip.{md,png,json}")
+    p.add_argument("--out", type=Path, default=ROOT / "docs", help="folder for roundtrip.* and diagnostics.*")
+    p.add_argument("--rotations", type=Path, nargs="*", default=[],
+                   help="calibrated rotations directories to diagnose as further levers (named by folder)")
     args = p.parse_args(argv)
     t0 = time.time()
-    results, meta = roundtrip.measure(args.model, args.eval_text, args.center_text, args.tokens, args.seq_len,
-                            text_folder=args.text_folder)
+    levers = {d.name: art.load(d) for d in args.rotations}
+    results, meta, diagnosis = roundtrip.measure(args.model, args.eval_text, args.center_text, args.tokens,
+                                                 args.seq_len, text_folder=args.text_folder, levers=levers)
     meta["seconds"] = round(time.time() - t0, 1)
     meta["date"] = datetime.date.today().isoformat()
     meta["command"] = "python scripts/report_roundtrip.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -67,7 +97,9 @@ def main(argv=None) -> int:
     (args.out / "roundtrip_table.md").write_text(table + "\n")
     plot(results, meta, args.out / "roundtrip.png")
     print(table)
-    print(f"\nwrote {args.out}/roundtrip.json, roundtrip_table.md, roundtrip.png in {meta['seconds']} s")
+    write_diagnostics(diagnosis, meta, args.out)
+    print(f"\nwrote {args.out}/roundtrip.json, roundtrip_table.md, roundtrip.png, diagnostics.json, "
+          f"diagnostics.md, diagnostics.png in {meta['seconds']} s")
     return 0
 
 

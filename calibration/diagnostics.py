@@ -1,0 +1,114 @@
+"""Why a layer's keys or values are hard at INT2, per (layer, KV head), and how much each lever buys.
+
+For captured post-RoPE keys and values ``x[tokens, kv_heads, d]`` of one layer:
+
+* ``mean_share``: the share of the energy in the per-head channel mean,
+  ``||mean||^2 / E||x||^2`` (what key centering removes; large for keys with a
+  constant offset from RoPE's low-frequency channels or a QKV bias);
+* ``rms_spread``: the largest channel RMS over the median channel RMS (a few
+  huge channels stretch every row's range; what a rotation spreads);
+* ``outliers``: how many channels have an RMS above ``OUTLIER_FACTOR`` times the median;
+* the INT2 round-trip error ``||Q(x') - x'|| / ||x||`` of the row format after
+  each lever, cumulatively: ``identity``, ``hadamard`` (rotation),
+  ``hadamard+center`` (key means of another text; keys only), and any
+  calibrated artifacts passed in (their own rotations, means and clips).
+
+The means used for centering must come from a different text than the one
+measured, as in serving.  Plain torch; no SGLang.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from oscar_sglang import format as fmt
+from oscar_sglang import rotation as rot
+from oscar_sglang.artifacts import RotationArtifacts
+
+OUTLIER_FACTOR = 4.0
+
+
+def shape_statistics(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per KV head of ``x[tokens, kv_heads, d]``: mean_share, rms_spread, outliers (tensors ``[kv_heads]``)."""
+    x = x.double()
+    energy = x.pow(2).sum(-1).mean(0)
+    mean_share = x.mean(0).pow(2).sum(-1) / energy.clamp_min(1e-30)
+    rms = x.pow(2).mean(0).sqrt()  # [kv_heads, d]
+    median = rms.median(-1).values.clamp_min(1e-30)
+    return {"mean_share": mean_share, "rms_spread": rms.amax(-1) / median,
+            "outliers": (rms > OUTLIER_FACTOR * median.unsqueeze(-1)).sum(-1).double()}
+
+
+def head_errors(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, clip: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """INT2 round-trip error per KV head, ``[kv_heads]``: ``||Q(x') - x'|| / ||x||`` over the head's rows."""
+    xr = rot.rotate_kv(x, rotation, mean)
+    xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1))
+    return (xq - xr).double().pow(2).sum((0, 2)).sqrt() / x.double().pow(2).sum((0, 2)).sqrt().clamp_min(1e-30)
+
+
+def diagnose(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], levers: dict[str, RotationArtifacts]) -> list[dict]:
+    """One row per (layer, KV head, "k"/"v"): the shape statistics and the error after each lever.
+
+    ``levers`` maps a name to an artifact; values ignore an artifact's key means.
+    """
+    rows = []
+    for layer, (k, v) in sorted(kv.items()):
+        for which, x in (("k", k), ("v", v)):
+            stats = shape_statistics(x)
+            errors = {}
+            for name, a in levers.items():
+                lr = a.layers[layer]
+                r, clip = (lr.k_rotation, lr.k_clip) if which == "k" else (lr.v_rotation, lr.v_clip)
+                errors[name] = head_errors(x, r, lr.k_mean if which == "k" else None, clip, a.group)
+            for h in range(x.shape[1]):
+                row = {"layer": layer, "head": h, "tensor": which}
+                row.update({s: float(t[h]) for s, t in stats.items()})
+                row["error"] = {name: float(e[h]) for name, e in errors.items()}
+                rows.append(row)
+    return rows
+
+
+def worst_table(rows: list[dict], lever: str, n: int = 12) -> str:
+    """Markdown: the ``n`` (layer, head, K/V) with the largest error after ``lever``, with what makes them hard."""
+    names = list(rows[0]["error"]) if rows else []
+    top = sorted(rows, key=lambda r: -r["error"][lever])[:n]
+    head = "| layer | KV head | K/V | mean share | max/median channel RMS | outlier channels | " + \
+        " | ".join(f"err {x}" for x in names) + " |"
+    lines = [head, "|" + "---:|" * (6 + len(names))]
+    for r in top:
+        lines.append(f"| {r['layer']} | {r['head']} | {r['tensor'].upper()} | {r['mean_share']:.2f} | "
+                     f"{r['rms_spread']:.1f} | {r['outliers']:.0f} | "
+                     + " | ".join(f"{r['error'][x]:.3f}" for x in names) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path, title: str) -> None:
+    """Heat maps (layer x KV head) of mean share, channel-RMS spread and each lever's error, keys and values."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = 1 + max(r["layer"] for r in rows)
+    heads = 1 + max(r["head"] for r in rows)
+    names = list(rows[0]["error"])
+    panels = [("mean_share", "mean share"), ("rms_spread", "max/median channel RMS")] + \
+        [(f"error:{n}", f"INT2 error, {n}") for n in names]
+    fig, axes = plt.subplots(2, len(panels), figsize=(2.3 * len(panels) + 1, 7), squeeze=False)
+    for row_i, which in enumerate(("k", "v")):
+        for col, (key, label) in enumerate(panels):
+            grid = torch.full((layers, heads), float("nan"))
+            for r in rows:
+                if r["tensor"] == which:
+                    grid[r["layer"], r["head"]] = r["error"][key[6:]] if key.startswith("error:") else r[key]
+            ax = axes[row_i][col]
+            im = ax.imshow(grid.numpy(), aspect="auto", cmap="magma", interpolation="nearest")
+            ax.set_title(f"{'keys' if which == 'k' else 'values'}: {label}", fontsize=8)
+            ax.set_xlabel("KV head", fontsize=7)
+            ax.set_ylabel("layer", fontsize=7)
+            fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
