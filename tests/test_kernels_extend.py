@@ -61,6 +61,36 @@ def test_extend_kernel_matches_reference(d, gqa, page, hot, group):
     assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (out - ref).abs().max()
 
 
+# Split along the prefix (split-K): prefixes that cross split and block boundaries (BLOCK_N = 16), empty
+# splits (a prefix shorter than the split count), no prefix, and new-token blocks beside the splits.
+SPLIT_PREFIX = [0, 1, 16, 17, 47, 95, 130]
+SPLIT_EXTEND = [3, 1, 2, 17, 1, 5, 4]
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("d,gqa,hot", [(64, 4, True), (128, 1, False)])
+def test_extend_split_along_the_prefix_matches_reference(splits, d, gqa, hot):
+    seed = 100 + splits + d
+    paged, rot, store = build(SPLIT_PREFIX, SPLIT_EXTEND, d, d, 16, hot, seed)
+    q, k, v = new_tokens(sum(SPLIT_EXTEND), KV * gqa, d, seed)
+    pre, ext = torch.tensor(SPLIT_PREFIX, device=DEVICE), torch.tensor(SPLIT_EXTEND, device=DEVICE)
+    args = (q, k, v, store, rot, paged.req_to_token, paged.req_pool_indices, pre, ext)
+    ref = reference.extend_attention(*args, d**-0.5)
+    out = api.extend_attention(*args, backend="triton", block_rows=16, block_n=16, num_splits=splits)
+    assert not torch.isnan(out).any()
+    assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (out - ref).abs().max()
+
+
+def test_prefix_splits_are_chosen_from_the_host_known_longest_prefix():
+    from oscar_sglang.kernels.extend.triton_kernel import choose_prefix_splits
+
+    cpu = torch.device("cpu")  # counts as 4 multiprocessors
+    assert choose_prefix_splits(1, 1, 2, cpu, None, 32) == 1  # no host-known prefix: never split
+    assert choose_prefix_splits(1, 1, 2, cpu, 100_000, 32) == 4  # 8 programs wanted over 2
+    assert choose_prefix_splits(1, 1, 1, cpu, 64, 32) == 1  # a short prefix is not worth splitting
+    assert choose_prefix_splits(64, 4, 8, cpu, 100_000, 32) == 1  # the grid is already full
+
+
 def test_extend_with_default_blocks_and_bf16_inputs():
     prefix, extend, d = [70, 0], [3, 40], 128
     paged, rot, store = build(prefix, extend, d, d, 16, True, 11)

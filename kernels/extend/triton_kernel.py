@@ -8,6 +8,13 @@ from the INT2/hot store (never materialised), then the new tokens' exact
 rotated rows with a causal mask, in one online softmax: the same result as
 merging the two parts by log-sum-exp.  Everything is in the rotated, centred
 space; queries are rotated before and the output de-rotated after, in torch.
+
+Split along the prefix (split-K, as decode): when few new tokens meet a long
+cached prefix (chunked prefill of a short chunk over 100k cached tokens), the
+grid above has too few programs to fill a GPU. Then the third grid axis is
+``kv_heads x splits``: split ``s`` reads its share of the prefix, the last
+split also the new tokens, each writes a normalised partial output and its
+log-sum-exp, and decode's reduce kernel merges them per (token, query head).
 """
 
 import torch
@@ -18,7 +25,7 @@ from oscar_sglang.rotation import rotate_kv
 
 from ..common.rotate import derotate_output, rotate_queries
 from ..common.triton_helpers import attend_block, attend_stored_block, load_query_pieces, store_pieces
-from ..decode.triton_kernel import DOT_PRECISION, LOG2E
+from ..decode.triton_kernel import DOT_PRECISION, LOG2E, MAX_SPLITS, _processors, merge_splits
 from ..layout import LayerRotation, LayerStore, require_contiguous, triton_unsupported
 
 
@@ -26,12 +33,13 @@ from ..layout import LayerRotation, LayerStore, require_contiguous, triton_unsup
 def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
                    k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_hot, v_hot, hot_index,
                    req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
-                   stride_r2t, KV, Q_HEADS, qk_scale,
+                   mid_lse, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
                    GQ: tl.constexpr, GQP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   D: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr):
+                   D: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
-    kvh = tl.program_id(2)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    sp = tl.program_id(2) % NUM_SPLITS
     ext_len = tl.load(extend_lens + b).to(tl.int32)
     if m0 >= ext_len:
         return
@@ -52,17 +60,20 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
     a2 = tl.zeros([BLOCK_M * GQP, D // 4], tl.float32)
     a3 = tl.zeros([BLOCK_M * GQP, D // 4], tl.float32)
 
-    # Cached prefix, from the store: every new token sees all of it.
-    for n0 in range(0, prefix, BLOCK_N):
+    # Cached prefix, from the store: every new token sees all of it (this split: its share).
+    per_split = tl.cdiv(tl.cdiv(prefix, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    p_lo = sp * per_split
+    p_hi = tl.minimum(p_lo + per_split, prefix)
+    for n0 in range(p_lo, p_hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
-        tmask = t < prefix
+        tmask = t < p_hi
         m, l, a0, a1, a2, a3 = attend_stored_block(
             t, tmask, req_to_token + req * stride_r2t, hot_index, kvh, KV,
             k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
             q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, G, PREC)
 
-    # New tokens, exact, causal among themselves.
-    hi = tl.minimum(ext_len, m0 + BLOCK_M)
+    # New tokens, exact, causal among themselves (in the last split).
+    hi = tl.where(sp == NUM_SPLITS - 1, tl.minimum(ext_len, m0 + BLOCK_M), 0)
     for n0 in range(0, hi, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < hi
@@ -74,17 +85,35 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
                                             valid, qk_scale, m, l, a0, a1, a2, a3, PREC)
 
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
-    store_pieces(out_ptr + qrow * D, rmask, a0 * inv_l, a1 * inv_l, a2 * inv_l, a3 * inv_l, D)
+    if SPLIT:  # partial output and its log2-sum-exp, rows [token, query head, split] as decode's reduce reads them
+        part = qrow.to(tl.int64) * NUM_SPLITS + sp
+        store_pieces(out_ptr + part * D, rmask, a0 * inv_l, a1 * inv_l, a2 * inv_l, a3 * inv_l, D)
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(mid_lse + part, lse, mask=rmask)
+    else:
+        store_pieces(out_ptr + qrow * D, rmask, a0 * inv_l, a1 * inv_l, a2 * inv_l, a3 * inv_l, D)
+
+
+def choose_prefix_splits(new_token_blocks: int, batch: int, kv_heads: int, device: torch.device,
+                         max_prefix_len: int | None, block_n: int) -> int:
+    """Prefix splits so that about 2 programs run per multiprocessor; 1 without a host-known longest prefix."""
+    if not max_prefix_len:
+        return 1
+    s = triton.cdiv(2 * _processors(device), max(1, new_token_blocks * batch * kv_heads))
+    return max(1, min(MAX_SPLITS, s, triton.cdiv(max_prefix_len, 2 * block_n)))
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: LayerRotation,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, sm_scale: float, extend_start_loc: torch.Tensor | None = None,
-                     max_extend_len: int | None = None, block_rows: int = 64, block_n: int = 32,
+                     max_extend_len: int | None = None, max_prefix_len: int | None = None,
+                     num_splits: int | None = None, block_rows: int = 64, block_n: int = 32,
                      num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.extend.reference.extend_attention`.
 
     ``block_rows`` = new tokens times padded group per program (at least 16).
+    ``num_splits`` splits the cached prefix (default: chosen from the grid size and
+    ``max_prefix_len``, the longest prefix as the host knows it; 1 without it).
     """
     n, q_heads, d = q.shape
     kv, g = store.kv_heads, store.group_size
@@ -105,13 +134,21 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     qr = rotate_queries(q, rot.k_rot).contiguous()
     kn = rotate_kv(k.reshape(n, kv, d), rot.k_rot, rot.k_mean).contiguous()
     vn = rotate_kv(v.reshape(n, kv, d), rot.v_rot).contiguous()
-    out = torch.zeros(n, q_heads, d, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(max_extend_len, block_m), extend_lens.shape[0], kv)
-    _extend_kernel[grid](
+    blocks, batch = triton.cdiv(max_extend_len, block_m), extend_lens.shape[0]
+    splits = num_splits or choose_prefix_splits(blocks, batch, kv, q.device, max_prefix_len, block_n)
+    if splits > 1:
+        out = torch.empty(n, q_heads, splits, d, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(n, q_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        out = torch.zeros(n, q_heads, d, dtype=torch.float32, device=q.device)
+        mid_lse = out  # unused
+    _extend_kernel[(blocks, batch, kv * splits)](
         qr, kn, vn, out, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-        extend_start_loc, req_to_token.stride(0), kv, q_heads, sm_scale * LOG2E,
-        GQ=gq, GQP=gqp, BLOCK_M=block_m, BLOCK_N=block_n, D=d, G=g, PREC=DOT_PRECISION,
+        extend_start_loc, mid_lse, req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
+        GQ=gq, GQP=gqp, BLOCK_M=block_m, BLOCK_N=block_n, D=d, G=g, PREC=DOT_PRECISION, SPLIT=splits > 1,
         num_warps=num_warps, num_stages=num_stages,
     )
+    if splits > 1:
+        out = merge_splits(out, mid_lse)
     return derotate_output(out, rot.v_rot).to(q.dtype)
