@@ -114,6 +114,9 @@ def _run(kernel_backend, seed=0):
             out_cache_loc=loc, req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE),
             seq_lens=torch.tensor(seq, dtype=torch.int64, device=DEVICE), seq_lens_cpu=torch.tensor(seq),
             extend_prefix_lens_cpu=[n0 for _, n0, _ in reqs], extend_seq_lens_cpu=[len(s) for _, _, s in reqs])
+        # device copies, int32 as SGLang makes them for extend batches
+        fb.extend_prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int32, device=DEVICE)
+        fb.extend_seq_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int32, device=DEVICE)
         backend.init_forward_metadata(fb)
         n = loc.numel()
         for layer_id in range(LAYERS):

@@ -23,20 +23,26 @@ from oscar_sglang.sglang.hot import HotSet, window_plan
 # Hot side pool bookkeeping (no SGLang)
 
 
+def _kept(plan):
+    """(request, position) of the cached tokens in a window, from the plan's fixed ``[batch, sink + recent]`` layout."""
+    rows = torch.arange(plan.keep_mask.shape[0]).unsqueeze(1).expand_as(plan.keep_mask)
+    return list(zip(rows[plan.keep_mask].tolist(), plan.keep_pos[plan.keep_mask].tolist()))
+
+
 def test_window_plan_extend_and_decode():
-    p = window_plan([0, 10, 5], [6, 11, 5], sink=2, recent=4)
+    p = window_plan(torch.tensor([0, 10, 5]), torch.tensor([6, 11, 5]), 7, sink=2, recent=4)
     assert p.new_pos.tolist() == [0, 1, 2, 3, 4, 5, 10]
     assert p.new_len.tolist() == [6] * 6 + [11]
+    assert p.keep_pos.shape == p.keep_mask.shape == (3, 2 + 4)      # fixed shape: no data-dependent size
     # cached tokens in a window after the pass: request 1 keeps its sinks and 7..9, request 2 (no new token) all 5
-    kept = list(zip(p.keep_req.tolist(), p.keep_pos.tolist()))
-    assert kept == [(1, 0), (1, 1), (1, 7), (1, 8), (1, 9), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4)]
+    assert _kept(p) == [(1, 0), (1, 1), (1, 7), (1, 8), (1, 9), (2, 0), (2, 1), (2, 2), (2, 3), (2, 4)]
 
 
 def test_window_plan_chunk_on_prefix():
-    p = window_plan([8], [12], sink=2, recent=4)  # window [4, 8) before, [8, 12) after: only sinks stay
-    assert p.keep_pos.tolist() == [0, 1]
-    p = window_plan([8], [10], sink=2, recent=4)  # after: [6, 10)
-    assert p.keep_pos.tolist() == [0, 1, 6, 7]
+    p = window_plan([8], [12], 4, sink=2, recent=4)  # window [4, 8) before, [8, 12) after: only sinks stay
+    assert [pos for _, pos in _kept(p)] == [0, 1]
+    p = window_plan([8], [10], 2, sink=2, recent=4)  # after: [6, 10)
+    assert [pos for _, pos in _kept(p)] == [0, 1, 6, 7]
 
 
 def test_hot_set_assigns_sinks_and_recent_and_keeps_copies_until_needed():
@@ -87,14 +93,13 @@ def test_hot_plan_keeps_every_window_of_its_requests_through_a_prefill_burst():
         """reqs: [(request, new tokens)]; one forward pass."""
         prefix = [len(slots.get(r, [])) for r, _ in reqs]
         seq = [p + n for p, (_, n) in zip(prefix, reqs)]
-        plan_ = window_plan(prefix, seq, S, W)
+        plan_ = window_plan(prefix, seq, sum(n for _, n in reqs), S, W)
         new = []
         for r, n in reqs:
             mine = slots.setdefault(r, [])
             mine += [next(next_slot) for _ in range(n)]
             new += mine[-n:]
-        kept = torch.tensor([slots[reqs[b][0]][p] for b, p in zip(plan_.keep_req.tolist(),
-                                                                  plan_.keep_pos.tolist())], dtype=torch.long)
+        kept = torch.tensor([slots[reqs[b][0]][p] for b, p in _kept(plan_)], dtype=torch.long)
         hs.update(torch.tensor(new), plan_.new_pos, plan_.new_len, kept)
 
     def windows_hot(r):  # copies outside the windows may survive; the windows must be whole
@@ -184,7 +189,8 @@ class _Driver:
             self.req_to_token[row, pre:pre + len(slots)] = torch.tensor(slots, dtype=torch.int32)
             rows.append(row), prefix.append(pre), seq.append(pre + len(slots)), locs.extend(slots)
         loc = torch.tensor(locs)
-        hot_loc = self.pool.begin_pass(loc, torch.tensor(rows), prefix, seq, self.req_to_token)
+        hot_loc = self.pool.begin_pass(loc, torch.tensor(rows), torch.tensor(prefix, dtype=torch.int32),
+                                       torch.tensor(seq), self.req_to_token)
         for layer in range(FP.num_layers):
             k = torch.randn(len(locs), 2, 32, generator=self.gen).to(torch.bfloat16) * 3
             v = torch.randn(len(locs), 2, 32, generator=self.gen).to(torch.bfloat16)

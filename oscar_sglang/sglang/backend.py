@@ -44,6 +44,7 @@ class ForwardMetadata:
     prefix_lens: torch.Tensor | None  # [batch] extend only, on the device
     extend_lens: torch.Tensor | None  # [batch] extend only, on the device
     max_len: int                      # longest sequence (decode) or extension (extend), from host lists
+    max_prefix: int = 0               # longest cached prefix (extend), from host lists: lets extend split it
 
 
 class OscarInt2AttnBackend(AttentionBackend):
@@ -64,28 +65,27 @@ class OscarInt2AttnBackend(AttentionBackend):
     # -- per pass -------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch):
+        """Once per pass: the hot side pool's update, from SGLang's device tensors (no loop, no sync)."""
         mode = forward_batch.forward_mode
         if mode.is_idle():
             self.forward_metadata = None
             return
         if mode.is_decode():
-            seq = _host_list(forward_batch.seq_lens_cpu, forward_batch.seq_lens)
-            prefix = [n - 1 for n in seq]
+            plan_seq = forward_batch.seq_lens
+            plan_prefix = plan_seq - 1                       # one new token per request
             prefix_t = extend_t = None
-            max_len = max(seq, default=0)
+            max_len = _host_max(forward_batch.seq_lens_cpu, plan_seq)
+            max_prefix = 0
         elif mode in _EXTEND_MODES:
-            prefix = list(forward_batch.extend_prefix_lens_cpu)
-            ext = list(forward_batch.extend_seq_lens_cpu)
-            seq = [p + e for p, e in zip(prefix, ext)]
-            device = forward_batch.out_cache_loc.device
-            prefix_t = torch.tensor(prefix, dtype=torch.int64, device=device)
-            extend_t = torch.tensor(ext, dtype=torch.int64, device=device)
-            max_len = max(ext, default=0)
+            prefix_t, extend_t = forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens
+            plan_prefix, plan_seq = prefix_t, prefix_t + extend_t
+            max_len = _host_max(forward_batch.extend_seq_lens_cpu, extend_t)
+            max_prefix = _host_max(forward_batch.extend_prefix_lens_cpu, prefix_t)
         else:
             raise NotImplementedError(f"the oscar_int2 attention backend does not serve forward mode {mode.name}")
-        hot_loc = self.pool.begin_pass(forward_batch.out_cache_loc, forward_batch.req_pool_indices, prefix, seq,
-                                       self.req_to_token)
-        self.forward_metadata = ForwardMetadata(hot_loc, prefix_t, extend_t, max_len)
+        hot_loc = self.pool.begin_pass(forward_batch.out_cache_loc, forward_batch.req_pool_indices, plan_prefix,
+                                       plan_seq, self.req_to_token, decode=mode.is_decode())
+        self.forward_metadata = ForwardMetadata(hot_loc, prefix_t, extend_t, max_len, max_prefix)
 
     # -- per layer ------------------------------------------------------------
 
@@ -97,7 +97,8 @@ class OscarInt2AttnBackend(AttentionBackend):
         md = self.forward_metadata
         o = kernels.extend_attention(q3, k3, v3, store, rot, self.req_to_token, forward_batch.req_pool_indices,
                                      md.prefix_lens, md.extend_lens, layer.scaling,
-                                     backend=self.pool.kernel_backend, max_extend_len=md.max_len)
+                                     backend=self.pool.kernel_backend, max_extend_len=md.max_len,
+                                     max_prefix_len=md.max_prefix)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -145,8 +146,13 @@ class OscarInt2AttnBackend(AttentionBackend):
         self._checked_layers.add(layer.layer_id)
 
 
-def _host_list(cpu: torch.Tensor | None, device_tensor: torch.Tensor) -> list[int]:
-    return (cpu if cpu is not None else device_tensor).tolist()
+def _host_max(host, device_tensor: torch.Tensor) -> int:
+    """Largest length from SGLang's host copy (a list or CPU tensor); the device tensor (a sync) only without one."""
+    if host is None:
+        host = device_tensor
+    if isinstance(host, torch.Tensor):
+        return int(host.max()) if host.numel() else 0
+    return max(host, default=0)
 
 
 def create_backend(model_runner) -> OscarInt2AttnBackend:

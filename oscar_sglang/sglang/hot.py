@@ -27,15 +27,31 @@ Per forward pass, :meth:`HotSet.update` applies, in order:
    request reads BF16 at least at positions ``< sink`` and ``>= len - recent``
    whatever the rest of the traffic (as long as the regions are big enough);
 3. new tokens at sink positions get sink entries, new tokens in the recent
-   window get recent entries (free or least recently used first).
+   window get recent entries (free or least recently used first; the last
+   ``region size`` tokens of the pass if more ask; among equally old entries
+   the lowest first).
 
 The returned ``hot_loc`` (entry per new token or -1) is what the write path
-copies the rotated BF16 rows to, in every layer.  Plain torch, no host sync,
-no SGLang.
+copies the rotated BF16 rows to, in every layer.
+
+**No host work per request, no device sync.**  :func:`window_plan` and
+:meth:`HotSet.update` are fixed sequences of tensor ops (about 45 per decode
+pass, whatever the batch) whose shapes depend only on host numbers SGLang
+already has (batch size, number of new tokens) and on the settings: no
+``nonzero``, no boolean-mask indexing, no ``.item()``.  Masked writes go to
+one spare element at the end of ``hot_index``, ``owner`` and ``stamp`` (the
+*trash*, index -1, so an absent entry ``-1`` addresses it by itself; never
+read back as state), the pass counter lives on the device, and "the last
+``n`` tokens of a region take the ``n`` least recently stamped entries" is a
+cumulative sum (rank of each token) and a ``topk`` over the region's
+``(stamp, entry)`` keys.  ``tests/hot_reference.py`` keeps the earlier
+per-request implementation; the tests fuzz this one against it.  Plain
+torch, no SGLang.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,48 +59,84 @@ import torch
 
 @dataclass(frozen=True)
 class WindowPlan:
-    """Positions touched by one forward pass, in token order of the batch.
+    """Positions touched by one forward pass.
 
-    ``new_pos[n]``: position of each new token; ``new_len[n]``: its request's
-    length after the pass; ``keep_req``/``keep_pos``: request row (index into
-    the batch) and position of the cached tokens in a window (sink or recent)
-    after the pass.
+    ``new_pos [n]``: position of each new token, in token order of the batch;
+    ``new_len [n]``: its request's length after the pass.  The cached tokens in
+    a window after the pass, in a fixed layout ``[batch, sink + recent]``:
+    ``keep_pos[b, j]`` is a position of request ``b`` and ``keep_mask[b, j]``
+    says whether it is a cached token in a window (elsewhere the position is
+    unused, may be past the sequence, and is never below 0).  Columns
+    ``j < sink`` are positions ``j``, the others ``max(sink, seq - recent) + j - sink``.
     """
 
     new_pos: torch.Tensor
     new_len: torch.Tensor
-    keep_req: torch.Tensor
     keep_pos: torch.Tensor
+    keep_mask: torch.Tensor
 
 
-def window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, recent: int) -> WindowPlan:
-    """Plan for requests extended from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens (host lists).
+def _lengths(x: torch.Tensor | Sequence[int], device: torch.device | str | None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        return torch.as_tensor(x, dtype=torch.long, device=device)
+    return x if device is None else x.to(device)           # int32 or int64: the arithmetic promotes
 
-    The cached tokens in a window are those at ``[0, min(sink, prefix))`` and
-    ``[max(sink, seq - recent), prefix)``.
+
+def window_plan(prefix_lens: torch.Tensor | Sequence[int], seq_lens: torch.Tensor | Sequence[int], num_new: int,
+                sink: int, recent: int, device: torch.device | str | None = None, *,
+                one_new_each: bool = False) -> WindowPlan:
+    """Plan for requests extended from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens, all in tensor ops.
+
+    ``prefix_lens``, ``seq_lens``: ``[batch]`` (device tensors; lists are
+    accepted for tests); ``num_new``: the number of new tokens,
+    ``sum(seq_lens - prefix_lens)``, which the caller knows on the host
+    (``out_cache_loc.numel()``); it is not checked (that would sync).
+    ``one_new_each``: the caller guarantees ``seq = prefix + 1`` (decode),
+    which saves the token-to-request map.  The new tokens are at positions
+    ``[prefix, seq)``; the cached tokens in a window are those at
+    ``[0, min(sink, prefix))`` and ``[max(sink, seq - recent), prefix)``.
     """
-    new_pos, new_len, keep_req, keep_pos = [], [], [], []
-    for b, (n0, n1) in enumerate(zip(prefix_lens, seq_lens)):
-        if n1 < n0:
-            raise ValueError(f"request {b}: sequence length {n1} is below its prefix length {n0}")
-        new_pos.append(torch.arange(n0, n1))
-        new_len.append(torch.full((n1 - n0,), n1))
-        for k0, k1 in ((0, min(sink, n0)), (max(sink, n1 - recent), n0)):
-            if k1 > k0:
-                keep_pos.append(torch.arange(k0, k1))
-                keep_req.append(torch.full((k1 - k0,), b))
+    prefix = _lengths(prefix_lens, device)
+    seq = _lengths(seq_lens, prefix.device)
+    dev = prefix.device
+    if one_new_each:
+        new_pos, new_len = prefix, seq
+    elif num_new > 0:
+        end = torch.cumsum(seq - prefix, 0)                      # token index after each request's new tokens
+        token = torch.arange(num_new, device=dev)
+        req = torch.searchsorted(end, token, right=True)         # request of each new token
+        new_pos = token + (seq - end).index_select(0, req)       # position = token index + (prefix - first token)
+        new_len = seq.index_select(0, req)
+    else:
+        new_pos = new_len = torch.zeros(0, dtype=torch.long, device=dev)
+    col, recent_col = _columns(sink, recent, dev)
+    # recent columns start at max(sink, seq - recent); a position is kept iff it is cached (< prefix)
+    shift = torch.clamp(seq - (sink + recent), min=0).unsqueeze(1)
+    keep_pos = torch.addcmul(col, shift, recent_col)            # [batch, sink + recent]
+    keep_mask = keep_pos < prefix.unsqueeze(1)
+    return WindowPlan(new_pos, new_len, keep_pos, keep_mask)
 
-    def cat(parts):
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    return WindowPlan(cat(new_pos), cat(new_len), cat(keep_req), cat(keep_pos))
+_COLUMNS: dict = {}
+
+
+def _columns(sink: int, recent: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column ``j`` of the keep layout: ``j``, and whether it is a recent column (constants, cached per device)."""
+    key = (sink, recent, str(device))
+    if key not in _COLUMNS:
+        col = torch.arange(sink + recent, device=device)
+        _COLUMNS[key] = (col, (col >= sink).long())
+    return _COLUMNS[key]
 
 
 class _Region:
     """A contiguous range of entries handed out free-first, then least recently used."""
 
-    def __init__(self, start: int, size: int):
+    def __init__(self, start: int, size: int, stamp: torch.Tensor):
         self.start, self.size = start, size
+        self.stamp = stamp[start:start + size]                   # a view of the hot set's stamps
+        # sort key (stamp, entry) as one integer: stamp * size + (size + local index); -1 (free) sorts first
+        self.tie = torch.arange(size, size + size, device=stamp.device)
 
 
 class HotSet:
@@ -95,71 +147,151 @@ class HotSet:
         if min(sink_entries, recent_entries, sink, recent) < 0:
             raise ValueError("hot pool sizes and windows must be >= 0")
         self.sink, self.recent = sink, recent
+        self.num_slots = num_slots
         self.entries = sink_entries + recent_entries
-        self.hot_index = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
-        self.owner = torch.full((self.entries,), -1, dtype=torch.long, device=device)
+        # one spare element at the end of each (the trash, index -1) absorbs masked writes
+        self._hot_index = torch.full((num_slots + 1,), -1, dtype=torch.int32, device=device)
+        self._owner = torch.full((self.entries + 1,), -1, dtype=torch.long, device=device)
         # pass number an entry was last in a batch's window; -1 = free
-        self.stamp = torch.full((self.entries,), -1, dtype=torch.long, device=device)
-        self.clock = 0
-        self._sink_region = _Region(0, sink_entries)
-        self._recent_region = _Region(sink_entries, recent_entries)
+        self._stamp = torch.full((self.entries + 1,), -1, dtype=torch.long, device=device)
+        self.hot_index = self._hot_index[:num_slots]
+        self.owner = self._owner[:self.entries]
+        self.stamp = self._stamp[:self.entries]
+        self._clock = torch.zeros((), dtype=torch.long, device=device)   # passes so far, on the device
+        self._none = torch.tensor(-1, dtype=torch.long, device=device)     # "no entry / no slot / free"
+        self._cold = torch.tensor(-1, dtype=torch.int32, device=device)    # hot_index of a cold slot
+        self._sink_region = _Region(0, sink_entries, self._stamp)
+        self._recent_region = _Region(sink_entries, recent_entries, self._stamp)
 
     @property
     def device(self) -> torch.device:
-        return self.hot_index.device
+        return self._hot_index.device
+
+    @property
+    def clock(self) -> int:
+        """Passes so far (reads the device counter: for tests and logs, not for the serving path)."""
+        return int(self._clock)
 
     def release(self, slots: torch.Tensor) -> None:
         """Slots lose their entries (if any); the entries become free."""
         if slots.numel() == 0:
             return
-        slots = slots.to(self.device).long()
-        entry = self.hot_index[slots].long()
-        held = entry[entry >= 0]
-        self.owner[held] = -1
-        self.stamp[held] = -1
-        self.hot_index[slots] = -1
+        slots = slots.to(self.device).reshape(-1)
+        entry = self._hot_index.index_select(0, slots)           # -1 (none) addresses the trash
+        self._owner.index_put_((entry,), self._none)
+        self._stamp.index_put_((entry,), self._none)
+        self._hot_index.index_put_((slots,), self._cold)
 
-    def touch(self, slots: torch.Tensor) -> None:
-        """Stamp the entries of ``slots`` (those holding one) as used by this pass."""
+    def touch(self, slots: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Stamp the entries of ``slots`` (those holding one, and where ``mask`` if given) as used by this pass."""
         if slots.numel() == 0:
             return
-        entry = self.hot_index[slots.to(self.device).long()].long()
-        self.stamp[entry[entry >= 0]] = self.clock
+        entry = self._hot_index.index_select(0, slots.to(self.device).reshape(-1))
+        if mask is not None:
+            entry = torch.where(mask.to(self.device).reshape(-1), entry, self._cold)
+        self._stamp.index_put_((entry,), self._clock)
 
-    def _assign(self, slots: torch.Tensor, region: _Region) -> torch.Tensor:
-        """Give each slot an entry of ``region`` (only the last ``region.size`` if more); returns entries or -1."""
-        out = torch.full((slots.numel(),), -1, dtype=torch.long, device=self.device)
-        n = min(slots.numel(), region.size)
-        if n == 0:
-            return out
-        slots = slots[-n:].long()
-        stamps = self.stamp[region.start:region.start + region.size]
-        entries = region.start + torch.argsort(stamps, stable=True)[:n]
-        prev = self.owner[entries]
-        evicted = prev[prev >= 0]
-        still = self.hot_index[evicted].long() == entries[prev >= 0]
-        self.hot_index[evicted[still]] = -1
-        self.owner[entries] = slots
-        self.stamp[entries] = self.clock
-        self.hot_index[slots] = entries.to(torch.int32)
-        out[-n:] = entries
-        return out
+    def _candidates(self, wants: torch.Tensor, region: _Region, demand: int):
+        """Which tokens of ``wants`` get an entry of ``region``, and which: ``(j, take, order)`` or None.
+
+        If more tokens want one than the region has, only the last
+        ``region.size`` (in token order) take one.  The ``n`` takers get the
+        ``n`` entries with the smallest ``(stamp, entry)``, in that order (free
+        ones first, as a stable sort of the stamps would give): taker ``i``
+        gets ``order[j[i]]``.  ``j`` is in ``[-1, k)`` for every token.
+        ``demand`` (host) bounds how many tokens can want one.
+        """
+        k = min(demand, region.size)
+        if k == 0:
+            return None
+        rank = torch.cumsum(wants, 0)                           # 1-based rank among the tokens that want one
+        if demand > region.size:                                # the first ones get nothing if too many
+            first = torch.clamp(rank[-1:] - (region.size - 1), min=1)
+            j = torch.clamp(rank - first, min=-1)
+            take = wants & (j >= 0)
+        else:
+            j, take = rank - 1, wants                           # j = -1 before the first taker
+        key = torch.add(region.tie, region.stamp, alpha=region.size)
+        order = torch.topk(key, k, largest=False, sorted=True).indices
+        if region.start:
+            order = order + region.start
+        return j, take, order
+
+    def _assign(self, slots: torch.Tensor, is_sink: torch.Tensor, is_recent: torch.Tensor, sink_demand: int,
+                recent_demand: int) -> torch.Tensor:
+        """New tokens at sink positions get sink entries, those in the recent window recent entries; ``hot_loc``.
+
+        Both regions in one set of writes: their entries are disjoint, and so
+        are their previous owners (a slot holds at most one entry).
+        """
+        sink = self._candidates(is_sink, self._sink_region, sink_demand)
+        recent = self._candidates(is_recent, self._recent_region, recent_demand)
+        if sink is None and recent is None:
+            return self._none.expand(slots.numel()).clone()
+        if sink is None or recent is None:
+            j, take, order = sink or recent
+        else:                                                   # recent entries follow the sink ones in order
+            order = torch.cat([sink[2], recent[2]])
+            j = torch.where(recent[1], recent[0] + sink[2].numel(), sink[0])
+            take = sink[1] | recent[1]
+        entry = torch.take(order, j)                            # j = -1 reads a valid (unused) element
+        entry_t = torch.where(take, entry, self._none)          # -1: the trash
+        # the previous owners lose the entry (if it is still theirs; for non-takers prev is the trash's
+        # owner and the write below stores -1 where -1 already is)
+        prev = torch.take(self._owner, entry_t)
+        still = torch.take(self._hot_index, prev) == entry_t
+        self._hot_index.index_put_((torch.where(still, prev, self._none),), self._cold)
+        self._owner.index_put_((entry_t,), slots)
+        self._stamp.index_put_((entry_t,), self._clock)
+        self._hot_index.index_put_((torch.where(take, slots, self._none),), entry.to(torch.int32))
+        return entry_t
 
     def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
-               kept_slots: torch.Tensor | None = None) -> torch.Tensor:
-        """Apply one forward pass (see the module docstring); returns ``hot_loc`` int64 ``[n]``."""
-        self.clock += 1
+               kept_slots: torch.Tensor | None = None, kept_mask: torch.Tensor | None = None,
+               batch_size: int | None = None) -> torch.Tensor:
+        """Apply one forward pass (see the module docstring); returns ``hot_loc`` int64 ``[n]``.
+
+        ``new_slots`` must be distinct (SGLang never writes a slot twice in a
+        pass).  ``kept_slots`` (any shape) are stamped where ``kept_mask``.
+        ``batch_size`` (host), when the positions come from
+        :func:`window_plan`, bounds a region's takers by ``batch * window``.
+        """
+        self._clock.add_(1)
         new_slots = new_slots.to(self.device).long()
-        new_pos = new_pos.to(self.device)
-        new_len = new_len.to(self.device)
+        n = new_slots.numel()
         self.release(new_slots)
         if kept_slots is not None:
-            self.touch(kept_slots)
-        hot_loc = torch.full((new_slots.numel(),), -1, dtype=torch.long, device=self.device)
+            self.touch(kept_slots, kept_mask)
+        if n == 0:
+            return torch.full((0,), -1, dtype=torch.long, device=self.device)
+        new_pos = new_pos.to(self.device)
+        new_len = new_len.to(self.device)
         is_sink = new_pos < self.sink
-        is_recent = ~is_sink & (new_pos >= new_len - self.recent)
-        for mask, region in ((is_sink, self._sink_region), (is_recent, self._recent_region)):
-            idx = mask.nonzero().squeeze(-1)
-            if idx.numel():
-                hot_loc[idx] = self._assign(new_slots[idx], region)
-        return hot_loc
+        is_recent = new_pos >= torch.clamp(new_len - self.recent, min=self.sink)
+        sink_demand = recent_demand = n
+        if batch_size is not None:
+            sink_demand, recent_demand = min(n, batch_size * self.sink), min(n, batch_size * self.recent)
+        return self._assign(new_slots, is_sink, is_recent, sink_demand, recent_demand)
+
+    def begin_pass(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor,
+                   prefix_lens: torch.Tensor | Sequence[int], seq_lens: torch.Tensor | Sequence[int],
+                   req_to_token: torch.Tensor, *, decode: bool = False) -> torch.Tensor:
+        """One forward pass from SGLang's batch tensors; returns ``hot_loc`` per new token.
+
+        Request ``b`` (row ``req_pool_indices[b]`` of ``req_to_token``) grows
+        from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens; its new tokens are at
+        ``out_cache_loc``, in request order.  ``decode``: one new token per
+        request (``seq = prefix + 1``).  Device tensors in, device tensors out;
+        the only host numbers used are the sizes of ``out_cache_loc``,
+        ``req_pool_indices`` and ``req_to_token``.
+        """
+        n, batch = out_cache_loc.numel(), req_pool_indices.numel()
+        plan = window_plan(prefix_lens, seq_lens, n, self.sink, self.recent, device=self.device,
+                           one_new_each=decode)
+        kept = None
+        if batch and plan.keep_pos.shape[1]:
+            pos = plan.keep_pos
+            if req_to_token.shape[1] < self.sink + self.recent:   # unused columns may point past a short row
+                pos = torch.clamp(pos, max=req_to_token.shape[1] - 1)
+            kept = req_to_token[req_pool_indices.to(self.device).unsqueeze(1), pos]
+        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept, plan.keep_mask, batch_size=batch)

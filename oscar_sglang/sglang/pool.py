@@ -29,7 +29,7 @@ from oscar_sglang.kernels import api as kernels
 from oscar_sglang.kernels.layout import LayerRotation, LayerStore
 
 from . import sizing
-from .hot import HotSet, window_plan
+from .hot import HotSet
 from .settings import ServingConfig
 
 logger = logging.getLogger(__name__)
@@ -96,24 +96,19 @@ class OscarInt2Pool(KVCache):
         i = layer_id - self.start_layer
         return self.stores[i], self.rotations[i]
 
-    def begin_pass(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
-                   seq_lens: list[int], req_to_token: torch.Tensor) -> torch.Tensor:
+    def begin_pass(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                   seq_lens: torch.Tensor, req_to_token: torch.Tensor, *, decode: bool = False) -> torch.Tensor:
         """Update the hot side pool for one forward pass (all layers); returns ``hot_loc`` per new token.
 
         Request ``b`` (row ``req_pool_indices[b]`` of ``req_to_token``) grows
-        from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens; its new tokens are at
-        ``out_cache_loc``, in request order.
+        from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens (``[batch]`` device
+        tensors, e.g. SGLang's ``extend_prefix_lens`` and ``seq_lens``); its new
+        tokens are at ``out_cache_loc``, in request order (``decode``: one per
+        request).  Tensor ops only: no loop over requests, no device sync
+        (``HotSet.begin_pass``).
         """
-        plan = window_plan(prefix_lens, seq_lens, self.hot.sink, self.hot.recent)
-        rows = req_pool_indices.to(self.device).long()
-
-        def slots_at(req, pos):
-            if pos.numel() == 0:
-                return torch.zeros(0, dtype=torch.long, device=self.device)
-            return req_to_token[rows[req.to(self.device)], pos.to(self.device)]
-
-        kept = slots_at(plan.keep_req, plan.keep_pos)
-        return self.hot.update(out_cache_loc, plan.new_pos, plan.new_len, kept)
+        return self.hot.begin_pass(out_cache_loc, req_pool_indices, prefix_lens, seq_lens, req_to_token,
+                                   decode=decode)
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               hot_loc: torch.Tensor | None) -> None:

@@ -1,0 +1,135 @@
+"""REFERENCE ONLY (test oracle): the hot-window bookkeeping as it was before it was vectorised.
+
+This is the per-request implementation that ``oscar_sglang/sglang/hot.py``
+replaced (Python loop over requests and windows, ``nonzero`` and boolean-mask
+indexing, host lists in).  It is kept verbatim in behaviour so the tests can
+assert that the vectorised :class:`oscar_sglang.sglang.hot.HotSet` and
+:func:`~oscar_sglang.sglang.hot.window_plan` produce exactly the same
+``hot_index``, ``owner``, ``stamp`` and ``hot_loc`` on every input, and so
+``scripts/bench_host_overhead.py`` can time the old path.  Never imported by
+the serving code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RefWindowPlan:
+    """``new_pos``/``new_len`` per new token; ``keep_req``/``keep_pos`` per cached token in a window."""
+
+    new_pos: torch.Tensor
+    new_len: torch.Tensor
+    keep_req: torch.Tensor
+    keep_pos: torch.Tensor
+
+
+def ref_window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, recent: int) -> RefWindowPlan:
+    """Kept tokens: ``[0, min(sink, prefix))`` and ``[max(sink, seq - recent), prefix)`` per request."""
+    new_pos, new_len, keep_req, keep_pos = [], [], [], []
+    for b, (n0, n1) in enumerate(zip(prefix_lens, seq_lens)):
+        if n1 < n0:
+            raise ValueError(f"request {b}: sequence length {n1} is below its prefix length {n0}")
+        new_pos.append(torch.arange(n0, n1))
+        new_len.append(torch.full((n1 - n0,), n1))
+        for k0, k1 in ((0, min(sink, n0)), (max(sink, n1 - recent), n0)):
+            if k1 > k0:
+                keep_pos.append(torch.arange(k0, k1))
+                keep_req.append(torch.full((k1 - k0,), b))
+
+    def cat(parts):
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    return RefWindowPlan(cat(new_pos), cat(new_len), cat(keep_req), cat(keep_pos))
+
+
+class _Region:
+    def __init__(self, start: int, size: int):
+        self.start, self.size = start, size
+
+
+class RefHotSet:
+    """The earlier ``HotSet``: same state (``hot_index``, ``owner``, ``stamp``, ``clock``), same policy."""
+
+    def __init__(self, num_slots: int, sink_entries: int, recent_entries: int, sink: int, recent: int,
+                 device: torch.device | str = "cpu"):
+        if min(sink_entries, recent_entries, sink, recent) < 0:
+            raise ValueError("hot pool sizes and windows must be >= 0")
+        self.sink, self.recent = sink, recent
+        self.entries = sink_entries + recent_entries
+        self.hot_index = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
+        self.owner = torch.full((self.entries,), -1, dtype=torch.long, device=device)
+        self.stamp = torch.full((self.entries,), -1, dtype=torch.long, device=device)
+        self.clock = 0
+        self._sink_region = _Region(0, sink_entries)
+        self._recent_region = _Region(sink_entries, recent_entries)
+
+    @property
+    def device(self) -> torch.device:
+        return self.hot_index.device
+
+    def release(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        slots = slots.to(self.device).long()
+        entry = self.hot_index[slots].long()
+        held = entry[entry >= 0]
+        self.owner[held] = -1
+        self.stamp[held] = -1
+        self.hot_index[slots] = -1
+
+    def touch(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        entry = self.hot_index[slots.to(self.device).long()].long()
+        self.stamp[entry[entry >= 0]] = self.clock
+
+    def _assign(self, slots: torch.Tensor, region: _Region) -> torch.Tensor:
+        out = torch.full((slots.numel(),), -1, dtype=torch.long, device=self.device)
+        n = min(slots.numel(), region.size)
+        if n == 0:
+            return out
+        slots = slots[-n:].long()
+        stamps = self.stamp[region.start:region.start + region.size]
+        entries = region.start + torch.argsort(stamps, stable=True)[:n]
+        prev = self.owner[entries]
+        evicted = prev[prev >= 0]
+        still = self.hot_index[evicted].long() == entries[prev >= 0]
+        self.hot_index[evicted[still]] = -1
+        self.owner[entries] = slots
+        self.stamp[entries] = self.clock
+        self.hot_index[slots] = entries.to(torch.int32)
+        out[-n:] = entries
+        return out
+
+    def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
+               kept_slots: torch.Tensor | None = None) -> torch.Tensor:
+        self.clock += 1
+        new_slots = new_slots.to(self.device).long()
+        new_pos = new_pos.to(self.device)
+        new_len = new_len.to(self.device)
+        self.release(new_slots)
+        if kept_slots is not None:
+            self.touch(kept_slots)
+        hot_loc = torch.full((new_slots.numel(),), -1, dtype=torch.long, device=self.device)
+        is_sink = new_pos < self.sink
+        is_recent = ~is_sink & (new_pos >= new_len - self.recent)
+        for mask, region in ((is_sink, self._sink_region), (is_recent, self._recent_region)):
+            idx = mask.nonzero().squeeze(-1)
+            if idx.numel():
+                hot_loc[idx] = self._assign(new_slots[idx], region)
+        return hot_loc
+
+    def begin_pass(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
+                   seq_lens: list[int], req_to_token: torch.Tensor) -> torch.Tensor:
+        """What ``OscarInt2Pool.begin_pass`` did (host lists of lengths)."""
+        plan = ref_window_plan(prefix_lens, seq_lens, self.sink, self.recent)
+        rows = req_pool_indices.to(self.device).long()
+        if plan.keep_pos.numel():
+            kept = req_to_token[rows[plan.keep_req.to(self.device)], plan.keep_pos.to(self.device)]
+        else:
+            kept = torch.zeros(0, dtype=torch.long, device=self.device)
+        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept)

@@ -1,0 +1,367 @@
+"""The vectorised hot-window bookkeeping (``oscar_sglang/sglang/hot.py``) against the reference it replaced.
+
+``tests/hot_reference.py`` keeps the earlier per-request implementation (a
+Python loop over requests, ``nonzero``, boolean-mask indexing).  The
+vectorised one must leave exactly the same state (``hot_index``, ``owner``,
+``stamp``, pass counter) and return the same ``hot_loc`` after every pass, for:
+
+* random serving traffic driven through ``begin_pass`` (the pool's entry
+  point): prefills, chunked extends, decodes, rows with no new token, radix
+  hits on live and finished requests' prefixes, empty batches, requests
+  finishing, their slots reused, cold writes (``release``) in between, with
+  random sink/recent windows and region sizes (zero, smaller than the demand);
+* raw ``HotSet.update`` calls with arbitrary positions, lengths and kept
+  slots (duplicates, slots that are also written), not only what a plan makes.
+
+A guard (``TorchDispatchMode``) then proves the per-pass path is free of
+device syncs and data-dependent shapes: ``pool.begin_pass`` (plan + hot set)
+and ``pool.set_kv_buffer``'s release run under it in strict mode, as do the
+Triton write and decode kernels' host wrappers; the plain-torch reference
+kernels are *not* sync-free (``kernels/write/reference.py`` indexes with a
+boolean mask, ``kernels/decode/reference.py`` reads lengths with ``tolist``)
+and the test records that instead of hiding it.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+from hot_reference import RefHotSet, ref_window_plan
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from oscar_sglang.sglang.hot import HotSet, window_plan
+
+aten = torch.ops.aten
+
+# ---------------------------------------------------------------------------
+# Window plan
+
+
+def _plan_as_reference(plan):
+    """The fixed ``[batch, sink + recent]`` layout flattened the reference's way (row-major: sinks, then recent)."""
+    rows = torch.arange(plan.keep_mask.shape[0]).unsqueeze(1).expand_as(plan.keep_mask)
+    return plan.new_pos, plan.new_len, rows[plan.keep_mask], plan.keep_pos[plan.keep_mask]
+
+
+def test_window_plan_matches_the_reference_on_random_batches():
+    rng = random.Random(0)
+    for _ in range(1500):
+        batch = rng.choice([0, 1, 1, 2, 3, 5, 8])
+        sink, recent = rng.choice([0, 1, 2, 3, 6]), rng.choice([0, 1, 2, 4, 7])
+        prefix = [rng.choice([0, 0, 1, sink, sink + 1, rng.randrange(0, 40)]) for _ in range(batch)]
+        ext = [rng.choice([0, 1, 1, 2, rng.randrange(0, 30)]) for _ in range(batch)]
+        if rng.random() < 0.2:
+            ext = [1] * batch                                    # a decode batch
+        seq = [p + e for p, e in zip(prefix, ext)]
+        ref = ref_window_plan(prefix, seq, sink, recent)
+        decode = batch > 0 and all(e == 1 for e in ext)
+        dtypes = rng.choice([(torch.int32, torch.int32), (torch.int32, torch.int64), (torch.int64, torch.int64)])
+        got = window_plan(torch.tensor(prefix, dtype=dtypes[0]), torch.tensor(seq, dtype=dtypes[1]), sum(ext),
+                          sink, recent, one_new_each=decode and rng.random() < 0.5)
+        assert got.keep_pos.shape == got.keep_mask.shape == (batch, sink + recent)
+        for a, b in zip(_plan_as_reference(got), (ref.new_pos, ref.new_len, ref.keep_req, ref.keep_pos)):
+            assert a.tolist() == b.tolist(), (prefix, seq, sink, recent)
+
+
+# ---------------------------------------------------------------------------
+# HotSet: identical state after every pass
+
+
+def _assert_same(new: HotSet, ref: RefHotSet, what=""):
+    assert new.clock == ref.clock, what
+    assert torch.equal(new.hot_index, ref.hot_index), what
+    assert torch.equal(new.owner, ref.owner), what
+    assert torch.equal(new.stamp, ref.stamp), what
+
+
+class _Traffic:
+    """Random serving traffic over a slot pool: requests with ``req_to_token`` rows, a prefix cache, slot reuse."""
+
+    def __init__(self, rng: random.Random, num_slots: int, rows: int = 12, width: int = 96):
+        self.rng = rng
+        self.free = list(range(1, num_slots))   # slot 0 is SGLang's padding slot
+        rng.shuffle(self.free)
+        self.refs = {}                            # slot -> holders (live requests + cached sequences)
+        self.live = {}                            # row -> slots of the request
+        self.cached = []                          # finished requests' slot lists (the radix cache)
+        self.free_rows = list(range(rows))
+        self.width = width
+        self.req_to_token = torch.zeros(rows, width, dtype=torch.int32)
+
+    def _hold(self, slots, d):
+        for s in slots:
+            self.refs[s] = self.refs.get(s, 0) + d
+            if self.refs[s] == 0:
+                del self.refs[s]
+                self.free.append(s)
+
+    def _alloc(self, n):
+        if n > len(self.free):
+            return None
+        out, self.free = self.free[:n], self.free[n:]
+        self._hold(out, 1)
+        return out
+
+    def next_pass(self):
+        """A batch: [(row, prefix len, new slots)]; a plain decode step (one token each) about a third of the time."""
+        rng, batch = self.rng, []
+        if self.live and rng.random() < 0.35:
+            out = []
+            for row, slots in self.live.items():
+                new = self._alloc(1) if len(slots) < self.width else None
+                if new is None:
+                    return out
+                out.append((row, len(slots), new))
+                slots += new
+                self.req_to_token[row, len(slots) - 1] = new[0]
+            return out
+        for row in list(self.live):
+            if rng.random() < 0.15:                                  # finishes; maybe stays cached
+                slots = self.live.pop(row)
+                self.free_rows.append(row)
+                if rng.random() < 0.5:
+                    self.cached.append(slots)
+                    self._hold(slots, 1)
+                self._hold(slots, -1)
+        while len(self.cached) > 4:                                  # the cache evicts
+            self._hold(self.cached.pop(0), -1)
+        for row, slots in self.live.items():
+            if rng.random() < 0.8:
+                n = rng.choice([1, 1, 1, 0, 2, rng.randrange(0, 12)])  # decode, no token, chunk
+                n = min(n, self.width - len(slots))
+                batch.append((row, len(slots), n))
+        for _ in range(rng.choice([0, 0, 1, 2])):                    # new requests, some on a cached prefix
+            if not self.free_rows:
+                break
+            row = self.free_rows.pop()
+            src = rng.choice(self.cached + list(self.live.values()) + [[]])
+            shared = src[:rng.randrange(0, len(src) + 1)]
+            self._hold(shared, 1)
+            self.live[row] = list(shared)
+            self.req_to_token[row, :len(shared)] = torch.tensor(shared, dtype=torch.int32)
+            batch.append((row, len(shared), min(rng.randrange(0, 40), self.width - len(shared))))
+        rng.shuffle(batch)
+        out = []
+        for row, pre, n in batch:
+            new = self._alloc(n) or []
+            self.live[row] += new
+            self.req_to_token[row, pre:pre + len(new)] = torch.tensor(new, dtype=torch.int32)
+            out.append((row, pre, new))
+        return out
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_begin_pass_matches_the_reference_through_random_traffic(seed):
+    rng = random.Random(seed)
+    num_slots = rng.choice([60, 120, 300])
+    sink, recent = rng.choice([0, 1, 2, 4]), rng.choice([0, 1, 3, 8])
+    sink_entries, recent_entries = rng.choice([0, 1, 3, 8, 40]), rng.choice([0, 2, 5, 16, 200])
+    new = HotSet(num_slots, sink_entries, recent_entries, sink, recent)
+    ref = RefHotSet(num_slots, sink_entries, recent_entries, sink, recent)
+    traffic = _Traffic(rng, num_slots, width=rng.choice([10, 96]))   # 10: rows shorter than sink + recent
+    for step in range(40):
+        reqs = traffic.next_pass()
+        rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
+        prefix = [p for _, p, _ in reqs]
+        seq = [p + len(s) for _, p, s in reqs]
+        loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64)
+        want = ref.begin_pass(loc, rows, prefix, seq, traffic.req_to_token)
+        decode = bool(reqs) and all(len(s) == 1 for _, _, s in reqs)
+        if decode and rng.random() < 0.7:                            # as the backend calls it in decode mode
+            seq_t = torch.tensor(seq)
+            got = new.begin_pass(loc, rows, seq_t - 1, seq_t, traffic.req_to_token, decode=True)
+        else:                                                        # extend: SGLang's int32 device lengths
+            got = new.begin_pass(loc, rows, torch.tensor(prefix, dtype=torch.int32),
+                                 torch.tensor(seq, dtype=torch.int32), traffic.req_to_token)
+        what = (seed, step, prefix, seq)
+        assert torch.equal(got, want), what
+        _assert_same(new, ref, what)
+        if rng.random() < 0.2 and traffic.refs:                      # a cold write through set_kv_buffer
+            cold = torch.tensor(rng.sample(sorted(traffic.refs), min(3, len(traffic.refs))))
+            new.release(cold), ref.release(cold)
+            _assert_same(new, ref, what)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_update_matches_the_reference_on_arbitrary_inputs(seed):
+    """Positions, lengths and kept slots not made by a plan: the policy itself must agree."""
+    rng = random.Random(100 + seed)
+    num_slots = 50
+    sink, recent = rng.choice([0, 2, 5]), rng.choice([0, 3, 9])
+    sink_entries, recent_entries = rng.choice([0, 2, 7]), rng.choice([0, 4, 11, 60])
+    new = HotSet(num_slots, sink_entries, recent_entries, sink, recent)
+    ref = RefHotSet(num_slots, sink_entries, recent_entries, sink, recent)
+    for step in range(30):
+        n = rng.choice([0, 1, 3, 10, 25])
+        slots = torch.tensor(rng.sample(range(num_slots), n), dtype=torch.int64)   # distinct
+        pos = torch.tensor([rng.randrange(0, 15) for _ in range(n)], dtype=torch.int64)
+        length = pos + torch.tensor([rng.randrange(-2, 12) for _ in range(n)], dtype=torch.int64)
+        kept = torch.tensor([rng.randrange(num_slots) for _ in range(rng.choice([0, 4, 20]))], dtype=torch.int32)
+        mask = torch.tensor([rng.random() < 0.7 for _ in range(kept.numel())], dtype=torch.bool)
+        want = ref.update(slots, pos, length, kept[mask])
+        got = new.update(slots, pos, length, kept, mask)
+        assert torch.equal(got, want), (seed, step)
+        _assert_same(new, ref, (seed, step))
+        if rng.random() < 0.3:
+            cold = torch.tensor(rng.sample(range(num_slots), 4))
+            new.release(cold), ref.release(cold)
+            _assert_same(new, ref, (seed, step))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_begin_pass_matches_the_reference_on_cuda():
+    rng = random.Random(7)
+    new = HotSet(300, 8, 40, 2, 8, device="cuda")
+    ref = RefHotSet(300, 8, 40, 2, 8)
+    traffic = _Traffic(rng, 300)
+    for _ in range(40):
+        reqs = traffic.next_pass()
+        rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
+        prefix, seq = [p for _, p, _ in reqs], [p + len(s) for _, p, s in reqs]
+        loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64)
+        want = ref.begin_pass(loc, rows, prefix, seq, traffic.req_to_token)
+        args = [t.cuda() for t in (loc, rows, torch.tensor(prefix), torch.tensor(seq), traffic.req_to_token)]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")                      # CUDA itself refuses any sync
+        try:
+            got = new.begin_pass(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got.cpu(), want)
+        assert torch.equal(new.hot_index.cpu(), ref.hot_index) and torch.equal(new.stamp.cpu(), ref.stamp)
+
+
+# ---------------------------------------------------------------------------
+# Guard: no device sync, no data-dependent shape
+
+
+_SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.nonzero_static, aten.nonzero_numpy,
+             aten.masked_select, aten.unique_consecutive, aten._unique2, aten.unique_dim, aten.equal,
+             aten.is_nonzero}
+_INDEX_OPS = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_, aten._unsafe_index,
+              aten._unsafe_index_put}
+
+
+class NoHostSync(TorchDispatchMode):
+    """Raises (``strict``) or records on ops that sync with the device or give data-dependent shapes."""
+
+    def __init__(self, strict=True):
+        super().__init__()
+        self.strict, self.seen = strict, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        bad = None
+        if packet in _SYNC_OPS:
+            bad = str(func)
+        elif packet in _INDEX_OPS:
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+                bad = f"{func} with a boolean index"
+        if bad:
+            if self.strict:
+                raise AssertionError(f"data-dependent op on the per-pass path: {bad}")
+            self.seen.append(bad)
+        return func(*args, **kwargs)
+
+
+def test_the_guard_catches_what_the_reference_does():
+    ref = RefHotSet(16, 2, 4, 1, 2)
+    with pytest.raises(AssertionError, match="data-dependent op"), NoHostSync():
+        ref.update(torch.tensor([1, 2, 3]), torch.arange(3), torch.full((3,), 3))
+    with pytest.raises(AssertionError, match="boolean index"), NoHostSync():
+        torch.arange(4)[torch.arange(4) > 1]
+    with pytest.raises(AssertionError, match="local_scalar_dense"), NoHostSync():
+        int(torch.arange(4).sum())
+
+
+def test_hot_set_update_and_release_pass_the_guard():
+    hs = HotSet(64, 4, 12, 2, 4)
+    req_to_token = torch.arange(64, dtype=torch.int32).reshape(2, 32)      # row r, position p: slot 32 r + p
+    rows = torch.tensor([0, 1])
+    with NoHostSync():
+        loc = hs.begin_pass(torch.cat([torch.arange(0, 9), torch.arange(32, 35)]), rows, torch.tensor([0, 0]),
+                            torch.tensor([9, 3]), req_to_token)                 # prefill (extend)
+        for step in range(2):
+            seq = torch.tensor([10 + step, 4 + step])
+            loc = hs.begin_pass(req_to_token[rows, seq - 1].long(), rows, seq - 1, seq, req_to_token, decode=True)
+        hs.release(torch.tensor([3, 4]))
+        hs.update(torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.zeros(0))   # empty pass
+    assert (loc >= 0).all() and hs.clock == 4
+
+
+# -- the pool, as the backend drives it (needs SGLang's KVCache base class) --
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+QH, KVH, D, G, LAYERS, SINK, RECENT = 4, 2, 64, 32, 1, 2, 4
+
+
+def _pool(device):
+    pytest.importorskip("sglang")
+    from oscar_sglang import artifacts as art
+    from oscar_sglang.sglang.pool import OscarInt2Pool
+    from oscar_sglang.sglang.settings import ServingConfig
+
+    fp = art.ModelFingerprint(architecture="LlamaForCausalLM", num_layers=LAYERS, hidden_size=QH * D,
+                              num_attention_heads=QH, num_kv_heads=KVH, head_dim=D, vocab_size=100,
+                              rope_type="default", rope_theta=1e4)
+    g = torch.Generator().manual_seed(0)
+    orth = torch.stack([torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]
+                        for _ in range(KVH)]).float()
+    layers = [art.LayerRotation(orth, orth, torch.zeros(KVH, D), torch.ones(KVH), torch.ones(KVH))]
+    cfg = ServingConfig(art.RotationArtifacts(fp, "unit", layers, sink=SINK, recent=RECENT, group_size=G),
+                        SINK, RECENT, hot_requests=2)
+    return OscarInt2Pool(64, 1, torch.bfloat16, head_num=KVH, head_dim=D, layer_num=LAYERS, device=device,
+                         config=cfg, start_layer=0, end_layer=LAYERS)
+
+
+def _decode_pass(pool, device):
+    """A decode pass of 2 requests after their prefill, begin_pass under the strict guard; what the layer needs."""
+    from oscar_sglang.kernels import api as kernels
+
+    req_to_token = torch.zeros(2, 32, dtype=torch.int32)
+    req_to_token[0, :10] = torch.arange(1, 11)
+    req_to_token[1, :7] = torch.arange(20, 27)
+    req_to_token = req_to_token.to(device)
+    pool.begin_pass(torch.cat([torch.arange(1, 10), torch.arange(20, 26)]).to(device),
+                    torch.tensor([0, 1], device=device), torch.tensor([0, 0], device=device),
+                    torch.tensor([9, 6], device=device), req_to_token)                  # prefill, unguarded
+    rows, seq, loc = (torch.tensor(x, device=device) for x in ([0, 1], [10, 7], [10, 26]))
+    q = torch.randn(2, QH, D).to(torch.bfloat16).to(device)
+    kv = torch.randn(2, KVH, D).to(torch.bfloat16).to(device)
+    store, rot = pool.layer(0)
+    prefix = seq - 1
+    with NoHostSync():                                                                   # strict, as the backend
+        hot_loc = pool.begin_pass(loc, rows, prefix, seq, req_to_token, decode=True)    # calls it in decode
+    return hot_loc, store, rot, q, kv, rows, seq, loc, req_to_token, kernels
+
+
+def test_pool_begin_pass_passes_the_guard_and_the_triton_wrappers_do_too():
+    """Strict: begin_pass, set_kv_buffer's release, and the Triton write + decode wrappers (interpreter on CPU)."""
+    from kernel_device import DEVICE  # (enables Triton's interpreter on CPU)
+
+    pool = _pool(DEVICE)
+    hot_loc, store, rot, q, kv, rows, seq, loc, req_to_token, kernels = _decode_pass(pool, DEVICE)
+    assert hot_loc.tolist() == [int(pool.hot_index[10]), int(pool.hot_index[26])] and (hot_loc >= 0).all()
+    with NoHostSync():
+        pool.hot.release(torch.tensor([3], device=DEVICE))
+        kernels.write_kv(kv, kv, loc, store, rot, hot_loc, backend="triton")
+        out = kernels.decode_attention(q, store, rot, req_to_token, rows, seq, D ** -0.5, backend="triton",
+                                       max_seq_len=10)
+    ref = kernels.decode_attention(q, store, rot, req_to_token, rows, seq, D ** -0.5, backend="torch")
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_torch_reference_kernels_are_not_sync_free():
+    """Recorded, not hidden: the CPU serving path's plain-torch kernels use data-dependent ops (begin_pass does not)."""
+    pool = _pool("cpu")
+    hot_loc, store, rot, q, kv, rows, seq, loc, req_to_token, kernels = _decode_pass(pool, "cpu")
+    write, decode = NoHostSync(strict=False), NoHostSync(strict=False)
+    with write:
+        kernels.write_kv(kv, kv, loc, store, rot, hot_loc, backend="torch")
+    with decode:
+        kernels.decode_attention(q, store, rot, req_to_token, rows, seq, D ** -0.5, backend="torch")
+    assert any("boolean index" in s for s in write.seen)                  # hot_loc[hot_loc >= 0] and more
+    assert any("boolean index" in s for s in decode.seen)                 # read_rotated's k[hot] and more
