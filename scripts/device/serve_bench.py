@@ -7,7 +7,7 @@ fixed KV memory budget (``--kv-budget-gib``, through ``OSCAR_SGLANG_KV_BUDGET_BY
 0 = SGLang's own profile of free memory at ``--mem-fraction-static``):
 
 * ``bf16``: SGLang's default KV cache with its ``triton`` attention backend,
-  CUDA graphs on (decode graphs up to ``--cuda-graph-max-bs``);
+  CUDA graphs on (decode graphs up to ``--cuda-graph-max-bs``, 128);
 * ``oscar-int2``: ``--kv-cache-dtype oscar-int2 --oscar-rotations R`` (the
   plugin's backend, decode CUDA graphs up to the same batch where the plugin
   captures them; if that server fails to start on a GPU, it is measured again
@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--max-concurrency-cap", type=int, default=256)
     p.add_argument("--single-prompts", type=int, default=2, help="requests of the concurrency-1 runs")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=32)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=128)
     p.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds for everything; later runs are skipped")
     p.add_argument("--run-timeout", type=float, default=150.0, help="seconds for one bench_serving run")
