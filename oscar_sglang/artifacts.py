@@ -133,6 +133,19 @@ class RotationArtifacts:
     def group(self) -> int:
         return self.group_size or self.model.head_dim
 
+    def for_kv_heads(self, heads: list[int]) -> "RotationArtifacts":
+        """A copy whose layers hold only KV heads ``heads`` (a tensor-parallel rank's share).
+
+        Rotations are per KV head, so a rank's slice is exact. The fingerprint
+        stays the whole model's; the copy is for serving, not for ``save``.
+        """
+        from dataclasses import replace
+
+        index = torch.tensor(heads, dtype=torch.long)
+        layers = [LayerRotation(*(getattr(lr, n).index_select(0, index) for n in LayerRotation.TENSOR_NAMES))
+                  for lr in self.layers]
+        return replace(self, layers=layers)
+
     def validate(self, where: str = "rotation artifacts") -> None:
         """Raise :class:`ArtifactError` unless every tensor and default is servable."""
         fp = self.model

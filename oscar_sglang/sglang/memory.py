@@ -49,13 +49,18 @@ def _kv_heads(kvc) -> int:
 
 
 def _serving(kvc):
-    """The validated serving config, after checking the model shape the INT2 pool supports."""
+    """The validated serving config for this rank's KV heads, after checking the model shape the pool supports."""
+    from sglang.srt.runtime_context import get_parallel
+
     if kvc.use_mla_backend:
         raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} supports MHA/GQA models, not MLA")
-    cfg = serving_config(kvc.model_config.hf_config)
-    if _kv_heads(kvc) != cfg.artifacts.model.num_kv_heads:
-        raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} does not support sharding the KV heads "
-                               "over tensor-parallel ranks yet; use --tp-size 1")
+    parallel = get_parallel()
+    if parallel.attn_dcp_size > 1:
+        raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} does not support decode context parallelism")
+    cfg = serving_config(kvc.model_config.hf_config).for_rank(parallel.attn_tp_size, parallel.attn_tp_rank)
+    if _kv_heads(kvc) != cfg.artifacts.layers[0].k_rotation.shape[0]:
+        raise OscarConfigError(f"this tensor-parallel rank holds {_kv_heads(kvc)} KV heads but the rotations "
+                               f"slice for it has {cfg.artifacts.layers[0].k_rotation.shape[0]}")
     return cfg
 
 

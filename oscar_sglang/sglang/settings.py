@@ -11,7 +11,7 @@ This module imports no SGLang code, so it can be used and tested anywhere.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -101,6 +101,31 @@ class ServingConfig:
     @property
     def bits_per_element(self) -> float:
         return 2 + 32 / self.group_size
+
+    def for_rank(self, tp_size: int, tp_rank: int) -> "ServingConfig":
+        """This config with the rotations of the KV heads a tensor-parallel rank serves."""
+        heads = kv_heads_of_rank(self.artifacts.model.num_kv_heads, tp_size, tp_rank)
+        if heads == list(range(self.artifacts.model.num_kv_heads)):
+            return self
+        return replace(self, artifacts=self.artifacts.for_kv_heads(heads))
+
+
+def kv_heads_of_rank(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
+    """The KV heads a tensor-parallel rank holds, as SGLang shards the QKV projection.
+
+    ``tp_size <= total``: an equal contiguous share; ``tp_size > total``: one
+    head, replicated over ``tp_size / total`` consecutive ranks.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise OscarConfigError(f"tensor-parallel rank {tp_rank} outside a group of {tp_size}")
+    if tp_size >= total_kv_heads:
+        if tp_size % total_kv_heads:
+            raise OscarConfigError(f"{tp_size} tensor-parallel ranks cannot share {total_kv_heads} KV heads evenly")
+        return [tp_rank // (tp_size // total_kv_heads)]
+    if total_kv_heads % tp_size:
+        raise OscarConfigError(f"{total_kv_heads} KV heads cannot be split over {tp_size} tensor-parallel ranks")
+    per_rank = total_kv_heads // tp_size
+    return list(range(tp_rank * per_rank, (tp_rank + 1) * per_rank))
 
 
 @lru_cache(maxsize=4)
