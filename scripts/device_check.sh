@@ -102,6 +102,13 @@ if [ "$HAVE_SGLANG" = 1 ]; then
     && step servers "$SERVE_LIMIT" "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
         --rotations "$WORK/models/$GEOM-hadamard" --dummy --dataset-path "$BUNDLE/sharegpt_shakespeare.json" \
         --out "$RES" "${SERVE[@]}"
+    # Tensor parallelism on a machine with several GPUs: the INT2 server over 2 ranks (each rank serves the
+    # rotations of its KV heads), 8k input only.
+    if [ "$GPU" = 1 ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
+        step servers_tp2 "$SERVE_LIMIT" "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
+            --rotations "$WORK/models/$GEOM-hadamard" --dummy --dataset-path "$BUNDLE/sharegpt_shakespeare.json" \
+            --out "$RES" --caches oscar-int2 --tp 2 --tag _tp2 --input-lens 8192 --kv-budget-gib 16 --time-limit 240
+    fi
 fi
 
 if [ "$GPU" = 1 ]; then

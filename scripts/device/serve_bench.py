@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--single-prompts", type=int, default=2, help="requests of the concurrency-1 runs")
     p.add_argument("--cuda-graph-max-bs", type=int, default=128)
     p.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (--tp-size) for every server")
+    p.add_argument("--tag", default="", help="suffix of the output names (serve_bench<tag>.*)")
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds for everything; later runs are skipped")
     p.add_argument("--run-timeout", type=float, default=150.0, help="seconds for one bench_serving run")
     return p.parse_args(argv)
@@ -67,6 +69,8 @@ def server_flags(cache: str, args, cpu: bool) -> list[str]:
              "--grammar-backend", "none", "--context-length", str(max(args.input_lens) + args.output_len + 1024)]  # re-tokenized prompts drift
     if args.dummy:
         flags += ["--load-format", "dummy"]
+    if args.tp > 1:
+        flags += ["--tp-size", str(args.tp)]
     if cache == "oscar-int2":
         flags += ["--kv-cache-dtype", "oscar-int2", "--oscar-rotations", str(args.rotations)]
     elif not cpu:
@@ -98,7 +102,7 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool) -> dict:
     env = launcher.server_env(cpu)
     if args.kv_budget_gib > 0:
         env[ENV_KV_BUDGET] = str(int(args.kv_budget_gib * 2**30))
-    log = args.out / f"server_{cache}.log"
+    log = args.out / f"server_{cache}{args.tag}.log"
     flags = server_flags(cache, args, cpu) + list(getattr(args, "extra", []))
     res = {"cache": cache, "flags": flags, "runs": []}
     t0 = time.perf_counter()
@@ -122,7 +126,7 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool) -> dict:
                     prompts = args.single_prompts if conc == 1 else conc
                     try:
                         run.update(bench(url, args, input_len, conc, prompts,
-                                         args.out / f"bench_{cache}_{input_len}_{conc}.jsonl"))
+                                         args.out / f"bench_{cache}{args.tag}_{input_len}_{conc}.jsonl"))
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         run["error"] = str(e)[-1500:]
                 print(f"[{cache}] input {input_len} x{conc}: " + (
@@ -139,13 +143,14 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
     device = "CPU (dry run)" if cpu else torch.cuda.get_device_name(0)
     date = datetime.datetime.now().isoformat(timespec="seconds")
     cmd = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
-    (args.out / "serve_bench.json").write_text(json.dumps(
+    (args.out / f"serve_bench{args.tag}.json").write_text(json.dumps(
         {"date": date, "device": device, "command": cmd, "torch": torch.__version__, "results": results}, indent=1))
     budget = f"{args.kv_budget_gib:g} GiB fixed KV budget" if args.kv_budget_gib > 0 else \
         f"SGLang's memory profile at --mem-fraction-static {args.mem_fraction_static}"
     lines = [f"# Real SGLang servers, BF16 vs oscar-int2 ({device}, {date})", "",
              f"Command: `{cmd}`", "",
-             f"Model: `{args.model.name}`{' (dummy weights)' if args.dummy else ''}; {budget}; output "
+             f"Model: `{args.model.name}`{' (dummy weights)' if args.dummy else ''}"
+             f"{f', --tp-size {args.tp}' if args.tp > 1 else ''}; {budget}; output "
              f"{args.output_len} tokens, ignore_eos; `sglang.bench_serving --dataset-name random` over the "
              f"bundle's Shakespeare prompts.", ""]
     by = {r["cache"]: r for r in results}
@@ -170,8 +175,8 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
         if r.get("error"):
             lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | server: "
                          f"{r['error'][-300:].replace(chr(10), ' ').replace('|', '/')} |")
-    (args.out / "serve_bench.md").write_text("\n".join(lines) + "\n")
-    plot(results, args.out / "serve_bench.png", device)
+    (args.out / f"serve_bench{args.tag}.md").write_text("\n".join(lines) + "\n")
+    plot(results, args.out / f"serve_bench{args.tag}.png", device)
 
 
 def plot(results: list[dict], path: Path, device: str) -> None:
@@ -224,7 +229,7 @@ def main(argv=None) -> int:
                 results.append({"cache": cache, "error": str(e)[-2000:] + "\n--- without CUDA graphs:\n"
                                 + str(e2)[-2000:], "runs": []})
     write_report(results, args, cpu)
-    print((args.out / "serve_bench.md").read_text(), flush=True)
+    print((args.out / f"serve_bench{args.tag}.md").read_text(), flush=True)
     ok = all("error" not in r and all("error" not in x for x in r["runs"]) for r in results)
     return 0 if ok else 1
 
