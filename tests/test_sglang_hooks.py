@@ -127,9 +127,16 @@ _CLI_PROBE = textwrap.dedent("""
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.server_args import prepare_server_args
 
+    from sglang.srt.model_executor import cuda_graph_config as cgc
+
     model, cases = sys.argv[1], json.loads(sys.argv[2])
     out = {}
+    cpu_prefill_default = cgc.default_prefill_backend
     for name, extra in cases.items():
+        # "@gpu-defaults": SGLang's defaults on CUDA (breakable prefill graphs), which a CPU run does not get
+        gpu = "@gpu-defaults" in extra
+        extra = [e for e in extra if e != "@gpu-defaults"]
+        cgc.default_prefill_backend = (lambda: cgc.Backend.BREAKABLE) if gpu else cpu_prefill_default
         for k in ("OSCAR_SGLANG_ROTATIONS", "OSCAR_SGLANG_SINK", "OSCAR_SGLANG_RECENT", "OSCAR_SGLANG_HOT_REQUESTS"):
             os.environ.pop(k, None)
         try:
@@ -172,6 +179,11 @@ def cli_results(tmp_path_factory):
         "wrong_model": [*int2, "--oscar-rotations", str(wrong)],
         "flags_without_int2": ["--oscar-sink", "4"],
         "other_backend": [*int2, "--oscar-rotations", str(good), "--attention-backend", "torch_native"],
+        "plain_gpu_defaults": ["@gpu-defaults"],
+        "int2_gpu_defaults": [*int2, "--oscar-rotations", str(good), "@gpu-defaults"],
+        "int2_no_graphs": [*int2, "--oscar-rotations", str(good), "--disable-cuda-graph"],
+        "int2_no_decode_graphs": [*int2, "--oscar-rotations", str(good), "--cuda-graph-backend-decode", "disabled"],
+        "int2_prefill_graphs": [*int2, "--oscar-rotations", str(good), "--cuda-graph-backend-prefill", "breakable"],
     }
     r = subprocess.run([sys.executable, "-c", _CLI_PROBE, model, json.dumps(cases)], capture_output=True,
                        text=True, timeout=600, env=CPU_ENV)
@@ -187,8 +199,20 @@ def test_cli_selects_backend_and_exports_settings(cli_results):
     assert res["plain"]["env"] == [None, None, None, None]
     int2 = res["int2"]
     assert int2["kv"] == "oscar-int2" and int2["backend"] == "oscar_int2"
-    assert all("disabled" in g.lower() for g in int2["graphs"])
     assert int2["env"] == [str(good), "4", "16", "8"]
+
+
+@pytest.mark.model
+def test_cli_keeps_decode_graphs_and_turns_prefill_graphs_off(cli_results):
+    """Decode CUDA graphs follow SGLang's flags (the backend captures decode); prefill graphs stay off."""
+    res, _ = cli_results
+    assert res["int2"]["graphs"] == [res["plain"]["graphs"][0], "disabled"] and res["plain"]["graphs"][0] == "full"
+    assert res["plain_gpu_defaults"]["graphs"] == ["full", "breakable"]      # what a GPU server gets by default
+    assert res["int2_gpu_defaults"]["graphs"] == ["full", "disabled"]
+    assert res["int2_no_graphs"]["graphs"] == ["disabled", "disabled"]
+    assert res["int2_no_decode_graphs"]["graphs"] == ["disabled", "disabled"]
+    assert "captures CUDA graphs for decode only" in res["int2_prefill_graphs"]["error"]
+    assert "--cuda-graph-backend-prefill" in res["int2_prefill_graphs"]["error"]
 
 
 @pytest.mark.model

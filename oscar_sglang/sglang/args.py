@@ -8,7 +8,11 @@
   environment the scheduler subprocesses inherit (``ServerArgs`` is sealed).
   A bad launch exits with one sentence, as argparse does.
 * Resolution steps (SGLang's ``register_resolution_hook``): with
-  ``oscar-int2`` the attention backend is ``oscar_int2`` and CUDA graphs are off.
+  ``oscar-int2`` the attention backend is ``oscar_int2``, and the prefill
+  phase's CUDA graphs are off (the backend captures decode only).  Decode
+  graphs follow SGLang's own flags: ``--disable-cuda-graph``,
+  ``--disable-decode-cuda-graph`` or ``--cuda-graph-backend-decode disabled``
+  turn them off.
 """
 
 from __future__ import annotations
@@ -105,13 +109,26 @@ def _uses_oscar(server_args) -> bool:
     return resolving_view(server_args).kv_cache_dtype == KV_CACHE_DTYPE
 
 
-def disable_cuda_graph(server_args, previous) -> None:
-    """Wraps the ``handle_cuda_graph_config`` step: the oscar backend does not capture graphs yet."""
-    if _uses_oscar(server_args):
-        from sglang.srt.arg_groups.overrides import declare_resolution
+def limit_cuda_graphs(server_args, previous) -> None:
+    """Wraps the ``handle_cuda_graph_config`` step: with oscar-int2, CUDA graphs for decode only.
 
-        declare_resolution(server_args, SOURCE, disable_cuda_graph=True)
+    Declares ``disable_prefill_cuda_graph`` (SGLang then locks the prefill
+    phase off, so no later default turns it on) and leaves the decode phase to
+    SGLang's flags.  An explicit prefill graph backend is refused.
+    """
+    if not _uses_oscar(server_args):
+        previous(server_args)
+        return
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    declare_resolution(server_args, SOURCE, disable_prefill_cuda_graph=True)
     previous(server_args)
+    prefill = resolving_view(server_args).cuda_graph_config.prefill.backend
+    if prefill != Backend.DISABLED:
+        raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} captures CUDA graphs for decode only; drop the "
+                               f"prefill graph backend {prefill!r} (--cuda-graph-backend-prefill or "
+                               f"--cuda-graph-config)")
 
 
 def select_attention_backend(server_args, previous) -> None:

@@ -15,8 +15,26 @@ which slots left their recent window).  Per layer:
 The numerics are those of ``oscar_sglang.kernels``: the Triton kernels on
 CUDA, the plain-torch reference on CPU (``pool.kernel_backend``, "auto" by
 default).  The host-side lengths SGLang already holds bound the kernels'
-grids, so no pass synchronises on device lengths.  CUDA graphs are not
-supported yet; the plugin disables them with this backend.
+grids, so no pass synchronises on device lengths.
+
+**CUDA graphs (decode).**  SGLang's decode graph runner
+(``model_executor/runner/decode_cuda_graph_runner.py``) calls
+:meth:`~OscarInt2AttnBackend.init_cuda_graph_state` once, then per captured
+batch size ``bs`` :meth:`~OscarInt2AttnBackend.init_forward_metadata_out_graph`
+with ``in_capture=True`` before recording the forward, and before every replay
+``init_forward_metadata_out_graph(view)`` with a view of its padded static
+buffers (``req_pool_indices`` padded with 0, the runner's reserved request
+row; ``seq_lens`` padded with :meth:`get_cuda_graph_seq_len_fill_value`) and
+the batch's own, unpadded ``out_cache_loc``.  What is recorded is the
+per-layer work of :meth:`forward_decode` (write path, query rotation, split-K
+decode kernel, de-rotation) at the padded batch, reading its one per-pass
+input, ``hot_loc``, from a static buffer; the split count is fixed per ``bs``
+at capture (empty splits cost one early exit).  What runs eagerly before each
+replay is the hot side pool's update (``HotSet.begin_pass``) for the live
+rows only, whose ``hot_loc`` is copied into the static buffer; the padded
+rows' entries are -1, so they write INT2 rows to the runner's padding slot 0
+(as every SGLang backend's padded rows do) and never touch the hot pool.
+Prefill (extend) always runs eagerly.
 """
 
 from __future__ import annotations
@@ -45,6 +63,12 @@ class ForwardMetadata:
     extend_lens: torch.Tensor | None  # [batch] extend only, on the device
     max_len: int                      # longest sequence (decode) or extension (extend), from host lists
     max_prefix: int = 0               # longest cached prefix (extend), from host lists: lets extend split it
+    num_splits: int | None = None     # decode split count fixed for a CUDA graph (None: chosen per pass)
+
+
+# Padded rows of a graph batch attend to one token: req_to_token's reserved row 0 points at slot 0,
+# the padding slot, which is a valid row of every store (SGLang's triton backend uses 1 too).
+SEQ_LEN_FILL_VALUE = 1
 
 
 class OscarInt2AttnBackend(AttentionBackend):
@@ -61,6 +85,8 @@ class OscarInt2AttnBackend(AttentionBackend):
         self.device = model_runner.device
         self.forward_metadata = None
         self._checked_layers: set[int] = set()
+        self._graph_hot_loc: torch.Tensor | None = None   # static hot_loc of captured decode graphs
+        self._graph_splits: dict[int, int | None] = {}
 
     # -- per pass -------------------------------------------------------------
 
@@ -87,6 +113,75 @@ class OscarInt2AttnBackend(AttentionBackend):
                                        plan_seq, self.req_to_token, decode=mode.is_decode())
         self.forward_metadata = ForwardMetadata(hot_loc, prefix_t, extend_t, max_len, max_prefix)
 
+    # -- CUDA graphs (decode) ---------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
+        """Once, before capture: the static ``hot_loc`` buffer every captured decode graph reads."""
+        device = torch.device(self.device)
+        if device.type == "cuda" and not self._uses_triton():
+            raise RuntimeError("oscar-int2: CUDA graphs need the Triton kernels, and this model's shape falls back "
+                               "to the plain-torch path (see the startup warning); pass --disable-cuda-graph")
+        self._graph_hot_loc = torch.full((max(max_bs, max_num_tokens),), -1, dtype=torch.long, device=device)
+        self._graph_splits.clear()
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return SEQ_LEN_FILL_VALUE
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Before capturing a decode graph (``in_capture``) or replaying one: see the module docstring.
+
+        Capture: the padded batch's metadata points at the static buffer, all
+        -1 (the capture's warm-up forwards write slot 0 only).  Replay: the hot
+        pool's update for the live rows, eagerly (fixed sequence of tensor ops,
+        no host sync), its ``hot_loc`` copied into the static buffer and the
+        padded rows' entries reset to -1.  The live rows are the first
+        ``out_cache_loc.numel()`` rows (one new token each).
+        """
+        mode = forward_batch.forward_mode
+        if not mode.is_decode():
+            raise NotImplementedError(f"the oscar_int2 attention backend captures CUDA graphs for decode only, "
+                                      f"not {mode.name}")
+        if self._graph_hot_loc is None:
+            raise RuntimeError("init_cuda_graph_state was not called before the CUDA graph metadata")
+        if not in_capture and _stream_capturing(self.device):
+            # e.g. SGLANG_ENABLE_METADATA_GLUE_GRAPH: this prep reads the batch's own out_cache_loc (a new
+            # tensor every step), so it must not be recorded; the glue graph then falls back to eager.
+            raise RuntimeError("the oscar_int2 backend's per-replay metadata runs eagerly; it cannot be captured")
+        bs = forward_batch.req_pool_indices.shape[0]
+        static = self._graph_hot_loc[:bs]
+        if in_capture:
+            static.fill_(-1)
+        else:
+            loc = forward_batch.out_cache_loc
+            live = loc.numel()
+            if live:
+                rows, seq = forward_batch.req_pool_indices[:live], forward_batch.seq_lens[:live]
+                hot_loc = self.pool.begin_pass(loc, rows, seq - 1, seq, self.req_to_token, decode=True)
+                static[:live].copy_(hot_loc)
+            if live < bs:
+                static[live:].fill_(-1)
+        self.forward_metadata = ForwardMetadata(static, None, None, self.req_to_token.shape[1],
+                                                num_splits=self._splits_for_graph(bs))
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Nothing is recorded at the start of the graph: the per-layer work reads the static buffers."""
+
+    def _uses_triton(self) -> bool:
+        backend = self.pool.kernel_backend
+        return backend == "triton" or (backend == "auto" and torch.device(self.device).type == "cuda")
+
+    def _splits_for_graph(self, bs: int) -> int | None:
+        """Decode splits of a captured batch size: as many as the longest context could use (fixed per ``bs``)."""
+        if bs not in self._graph_splits:
+            splits = None
+            if self._uses_triton():
+                from oscar_sglang.kernels.decode.triton_kernel import choose_splits
+
+                splits = choose_splits(bs, self.pool.head_num, torch.device(self.device),
+                                       max_seq_len=self.req_to_token.shape[1])
+            self._graph_splits[bs] = splits
+        return self._graph_splits[bs]
+
     # -- per layer ------------------------------------------------------------
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -106,9 +201,11 @@ class OscarInt2AttnBackend(AttentionBackend):
         q3, k3, v3 = self._shape(q, k, v, layer)
         self._save(layer, forward_batch, k3, v3, save_kv_cache)
         store, rot = self.pool.layer(layer.layer_id)
+        md = self.forward_metadata
+        tuning = {"max_seq_len": md.max_len} if md.num_splits is None else {"num_splits": md.num_splits}
         o = kernels.decode_attention(q3, store, rot, self.req_to_token, forward_batch.req_pool_indices,
                                      forward_batch.seq_lens, layer.scaling, backend=self.pool.kernel_backend,
-                                     max_seq_len=self.forward_metadata.max_len)
+                                     **tuning)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def support_triton(self):
@@ -153,6 +250,10 @@ def _host_max(host, device_tensor: torch.Tensor) -> int:
     if isinstance(host, torch.Tensor):
         return int(host.max()) if host.numel() else 0
     return max(host, default=0)
+
+
+def _stream_capturing(device) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def create_backend(model_runner) -> OscarInt2AttnBackend:

@@ -29,7 +29,7 @@ HOOKS = (
 
 # Server-argument resolution steps wrapped through SGLang's register_resolution_hook.
 RESOLUTION_STEPS = (
-    ("handle_cuda_graph_config", args.disable_cuda_graph),
+    ("handle_cuda_graph_config", args.limit_cuda_graphs),
     ("handle_attention_backend_compatibility", args.select_attention_backend),
 )
 
