@@ -33,8 +33,8 @@ FP = art.ModelFingerprint(architecture="LlamaForCausalLM", num_layers=LAYERS, hi
                           rope_type="default", rope_theta=1e4)
 
 
-def _artifacts():
-    g = torch.Generator().manual_seed(1)
+def _artifacts(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
 
     def orth():
         return torch.stack([torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]
@@ -45,16 +45,17 @@ def _artifacts():
     return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=G)
 
 
-def _backend(kernel_backend):
+def _backend(kernel_backend, slots: int = 128, rows: int = 4, context: int = 64, seed: int = 1):
+    """The backend over a real INT2 pool (hot side pool for 2 requests) and a ``rows x context`` req_to_token."""
     from oscar_sglang.sglang.backend import OscarInt2AttnBackend
     from oscar_sglang.sglang.pool import OscarInt2Pool
     from oscar_sglang.sglang.settings import ServingConfig
 
-    cfg = ServingConfig(_artifacts(), SINK, RECENT, hot_requests=2)
-    pool = OscarInt2Pool(128, 1, torch.bfloat16, head_num=KVH, head_dim=D, layer_num=LAYERS, device=DEVICE,
+    cfg = ServingConfig(_artifacts(seed), SINK, RECENT, hot_requests=2)
+    pool = OscarInt2Pool(slots, 1, torch.bfloat16, head_num=KVH, head_dim=D, layer_num=LAYERS, device=DEVICE,
                          config=cfg, start_layer=0, end_layer=LAYERS)
     pool.kernel_backend = kernel_backend
-    req_to_token = torch.zeros(4, 64, dtype=torch.int32, device=DEVICE)
+    req_to_token = torch.zeros(rows, context, dtype=torch.int32, device=DEVICE)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
                              device=DEVICE)
     return OscarInt2AttnBackend(runner)

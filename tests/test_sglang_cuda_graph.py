@@ -45,44 +45,17 @@ pytest.importorskip("sglang")
 
 from kernel_device import DEVICE  # noqa: E402  (enables the interpreter on CPU)
 from test_hot_plan import NoHostSync  # noqa: E402
+from test_sglang_backend import D, KVH, LAYERS, QH, RECENT, SINK  # noqa: E402,F401
+from test_sglang_backend import _backend as backend_over_pool  # noqa: E402
 
-from oscar_sglang import artifacts as art  # noqa: E402
 
-QH, KVH, D, G, LAYERS = 4, 2, 64, 32, 2
-SINK, RECENT = 2, 5
 ROWS, CONTEXT = 6, 256          # req_to_token rows (row 0 is SGLang's padding row) and width (max context)
 CAPTURE_BS = (1, 2, 4)          # SGLang's list starts 1, 2, 4, 8, ...
-FP = art.ModelFingerprint(architecture="LlamaForCausalLM", num_layers=LAYERS, hidden_size=QH * D,
-                          num_attention_heads=QH, num_kv_heads=KVH, head_dim=D, vocab_size=100,
-                          rope_type="default", rope_theta=1e4)
-
-
-def _artifacts():
-    g = torch.Generator().manual_seed(3)
-
-    def orth():
-        return torch.stack([torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]
-                            for _ in range(KVH)]).float()
-
-    layers = [art.LayerRotation(orth(), orth(), 0.3 * torch.randn(KVH, D, generator=g), torch.tensor([0.9, 1.0]),
-                                torch.tensor([1.0, 0.85])) for _ in range(LAYERS)]
-    return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=G)
 
 
 def _backend(kernel_backend):
-    from oscar_sglang.sglang.backend import OscarInt2AttnBackend
-    from oscar_sglang.sglang.pool import OscarInt2Pool
-    from oscar_sglang.sglang.settings import ServingConfig
-
     # hot_requests=2 with 4 requests: the side pool evicts, so the LRU order is part of what must match
-    cfg = ServingConfig(_artifacts(), SINK, RECENT, hot_requests=2)
-    pool = OscarInt2Pool(160, 1, torch.bfloat16, head_num=KVH, head_dim=D, layer_num=LAYERS, device=DEVICE,
-                         config=cfg, start_layer=0, end_layer=LAYERS)
-    pool.kernel_backend = kernel_backend
-    req_to_token = torch.zeros(ROWS, CONTEXT, dtype=torch.int32, device=DEVICE)
-    runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-                             device=DEVICE)
-    return OscarInt2AttnBackend(runner)
+    return backend_over_pool(kernel_backend, slots=160, rows=ROWS, context=CONTEXT, seed=3)
 
 
 def _layer(i):
