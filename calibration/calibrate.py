@@ -13,10 +13,18 @@ oscar              U_Q H P / U_S H P           no               yes          no
 oscar-center       U_Q H P / U_S H P           yes              yes          no
 optr               OSCAR start, R0 exp(A-Aᵀ)   yes              yes          yes
 =================  ==========================  ===============  ==========  =========
+
+Held-out acceptance: every data-dependent choice (the OSCAR eigenbasis per
+KV head, the searched clip levels, OptR's learned rotation) is kept only where
+it also helps on a held-out group of calibration sequences that it was not
+fitted on: a domain left out of the mix (``data.Sequences.groups``), or the
+other half of a single-domain text.  See ``ACCEPTANCE``; every decision and
+its held-out losses go into the report and the manifest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -24,16 +32,29 @@ import torch
 from tqdm.auto import tqdm
 
 from oscar_sglang import artifacts as art
+from oscar_sglang import format as fmt
 from oscar_sglang import rotation as rot
 
 from . import capture
-from .fit import RotatedSample, oscar_rotations, query_positions, search_clips
+from .fit import CLIP_GRID, RotatedSample, oscar_rotations, query_positions
 from .optr import OptRConfig, refine_layer
-from .stats import StatsCollector
+from .stats import LayerStats, StatsCollector
 
 METHODS = ("identity", "hadamard", "hadamard-clip", "hadamard-center", "oscar", "oscar-center", "optr")
 UNCENTERED = ("identity", "hadamard", "hadamard-clip", "oscar")
 DATA_FREE = ("identity", "hadamard")
+
+ACCEPTANCE = (
+    "Calibration sequences form held-out groups: their domains (mix), or the first and second half of the "
+    "sequences when there is one domain. Per layer, KV head, keys and values separately, for each group f: "
+    "fit on the other groups (OSCAR eigenbasis from their statistics, key mean, clip searched on their kept "
+    "sequences) and measure the relative squared error (keys: logit error; values: attention-output error; "
+    "INT2 reads only) on f's kept sequences. Summed over f: the OSCAR eigenbasis is kept only where it beats "
+    "the Hadamard rotation, the searched clip only where it beats no clip; otherwise the data-free choice is "
+    "used. OptR trains on the groups other than f = layer mod groups and keeps a head's learned rotation only "
+    "if its loss on f's sequences improves. The final eigenbasis, key mean and clip levels are refit on all "
+    "groups (clip: each group weighs equally)."
+)
 
 
 @dataclass
@@ -43,8 +64,12 @@ class CalibrationConfig:
     recent: int = art.DEFAULT_RECENT
     group_size: int | None = None
     value_weighting: str = "exact"
-    keep_sequences: int = 4  # sequences kept for the clip search and OptR (OptR holds one out)
+    # Sequences kept for the clip search, the held-out checks and OptR, dealt out over the held-out groups
+    # (at least one each; the clip search weighs groups equally): 4 -> 2 + 2 halves of one domain, 2 + 1 + 1
+    # over a 3-domain mix.
+    keep_sequences: int = 4
     clip_queries: int = 256
+    decision_queries: int = 64  # query positions per sequence for the held-out checks
     optr: OptRConfig = field(default_factory=OptRConfig)
     seed: int = 0
 
@@ -59,35 +84,87 @@ def attention_modules(model) -> list:
     return [mods[i] for i in sorted(mods)]
 
 
-def collect_statistics(model, sequences, cfg: CalibrationConfig, progress=True) -> StatsCollector:
+# --- held-out groups and their statistics ----------------------------------------------------------
+
+def heldout_groups(sequences) -> list[tuple[str, list]]:
+    """``[(name, sequences)]``: the domains of ``sequences`` (``.groups``), or, with one domain, its two halves."""
+    labels = list(getattr(sequences, "groups", None) or ["data"] * len(sequences))
+    by: dict[str, list] = {}
+    for g, s in zip(labels, sequences):
+        by.setdefault(g, []).append(s)
+    if len(by) >= 2:
+        return list(by.items())
+    (name, seqs), = by.items()
+    if len(seqs) < 2:
+        return [(name, seqs)]
+    h = (len(seqs) + 1) // 2
+    return [(f"{name} (first half)", seqs[:h]), (f"{name} (second half)", seqs[h:])]
+
+
+def _merge(stats: list[LayerStats], samples: bool = True) -> LayerStats:
+    return LayerStats(sum(s.c_q for s in stats), sum(s.c_s for s in stats), sum(s.k_sum for s in stats),
+                      sum(s.tokens for s in stats), [x for s in stats for x in s.samples] if samples else [])
+
+
+class GroupedStatistics:
+    """Statistics per held-out group; ``layers[i]`` merges all groups (as one :class:`StatsCollector` would)."""
+
+    def __init__(self, names: list[str], collectors: list[StatsCollector]):
+        self.names, self.collectors = list(names), list(collectors)
+        n = len(collectors[0].layers)
+        self.layers = [_merge([c.layers[i] for c in collectors]) for i in range(n)]
+
+    def group_layers(self, i: int) -> list[LayerStats]:
+        return [c.layers[i] for c in self.collectors]
+
+    def sample_groups(self) -> list[int]:
+        """Group index of each kept sample of ``layers[i].samples`` (same for every layer)."""
+        return [g for g, c in enumerate(self.collectors) for _ in c.layers[0].samples]
+
+
+def keep_per_group(keep: int, n_groups: int) -> list[int]:
+    """``keep`` kept sequences dealt out over the groups in order, at least one each: 4 over 3 -> [2, 1, 1]."""
+    if keep <= 0:
+        return [0] * n_groups
+    return [max(1, keep // n_groups + (1 if g < keep % n_groups else 0)) for g in range(n_groups)]
+
+
+def collect_statistics(model, sequences, cfg: CalibrationConfig, progress=True) -> GroupedStatistics:
+    """Capture statistics per held-out group (:func:`heldout_groups`), keeping sequences evenly per group."""
     fp = art.ModelFingerprint.from_config(model.config)
-    collector = StatsCollector(fp.num_layers, fp.num_attention_heads, fp.num_kv_heads, fp.head_dim,
-                               cfg.value_weighting, cfg.keep_sequences)
-    with torch.no_grad(), capture.tapped(model, collector):
-        for ids in tqdm(sequences, desc="capture statistics", unit="seq", disable=not progress):
-            model(ids.reshape(1, -1).to(model.device), use_cache=False)
-    for st in collector.layers:  # the fit runs on the CPU (small d x d problems per KV head)
-        st.to("cpu")
-    return collector
-
-
-def _clips(samples, r_k, r_v, k_mean, cfg, group, scale, seed):
-    gen = torch.Generator().manual_seed(seed)
-    rotated = []
-    for s in samples:
-        pos = query_positions(s.q.shape[1], cfg.sink, cfg.recent, cfg.clip_queries, gen)
-        rotated.append(RotatedSample(s, r_k.float(), r_v.float(), k_mean.float(), cfg.sink, cfg.recent, scale, pos))
-    return search_clips(rotated, group)
+    groups = heldout_groups(sequences)
+    keep = keep_per_group(cfg.keep_sequences, len(groups))
+    collectors = []
+    bar = tqdm(total=len(sequences), desc="capture statistics", unit="seq", disable=not progress)
+    with torch.no_grad():
+        for (_, seqs), k in zip(groups, keep):
+            collector = StatsCollector(fp.num_layers, fp.num_attention_heads, fp.num_kv_heads, fp.head_dim,
+                                       cfg.value_weighting, k)
+            with capture.tapped(model, collector):
+                for ids in seqs:
+                    model(ids.reshape(1, -1).to(model.device), use_cache=False)
+                    bar.update(1)
+            for st in collector.layers:  # the fit runs on the CPU (small d x d problems per KV head)
+                st.to("cpu")
+            collectors.append(collector)
+    bar.close()
+    return GroupedStatistics([n for n, _ in groups], collectors)
 
 
 def _summary(sequences, cfg: CalibrationConfig, data_summary: dict | None) -> dict:
+    groups = heldout_groups(sequences) if len(sequences) else []
+    data = dict(data_summary or {})
+    prov = getattr(sequences, "provenance", None)
+    if prov:
+        data.setdefault("provenance", prov)
     return {
-        "data": data_summary or {},
+        "data": data,
         "tokens": int(sum(s.numel() for s in sequences)),
         "sequences": len(sequences),
         "seq_len": int(sequences[0].numel()) if sequences else 0,
         "seed": cfg.seed,
         "value_weighting": cfg.value_weighting,
+        "heldout_groups": {name: len(seqs) for name, seqs in groups},
     }
 
 
@@ -98,17 +175,126 @@ def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | Non
     if cfg.method in DATA_FREE:
         return fit(model, None, cfg, _summary(sequences, cfg, data_summary), progress)
     torch.manual_seed(cfg.seed)
-    collector = collect_statistics(model, sequences, cfg, progress)
+    stats = collect_statistics(model, sequences, cfg, progress)
     summary = _summary(sequences, cfg, data_summary)
     summary["seconds"] = {"statistics": round(time.time() - t0, 1)}
-    a, report = fit(model, collector, cfg, summary, progress)
+    a, report = fit(model, stats, cfg, summary, progress)
     a.calibration["seconds"]["total"] = round(time.time() - t0, 1)
     return a, report
 
 
-def fit(model, collector: StatsCollector | None, cfg: CalibrationConfig, summary: dict,
+# --- error curves and the held-out acceptance -------------------------------------------------------
+
+def _curves(rotated: list[RotatedSample], group: int, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared error per kept sequence and clip level ``[S, len(CLIP_GRID), kv_heads]`` and energy ``[S, kv_heads]``."""
+    errs, energy = [], []
+    for s in rotated:
+        x = s.kr if which == "k" else s.vr
+        measure = s.key_error if which == "k" else s.value_error
+        clip = torch.empty(x.shape[0], 1, 1)
+        row = []
+        for c in CLIP_GRID:
+            row.append(measure(fmt.fake_quantize(x, group, clip.fill_(float(c)))).double())
+        errs.append(torch.stack(row))
+        energy.append((s.key_energy() if which == "k" else s.value_energy()).double())
+    return torch.stack(errs), torch.stack(energy)
+
+
+def _rel(err: torch.Tensor, energy: torch.Tensor, sample_groups: torch.Tensor, groups) -> torch.Tensor:
+    """Relative squared error ``[n_clips, kv_heads]`` summed over ``groups``, each group weighing equally."""
+    total = torch.zeros(err.shape[1:], dtype=torch.float64)
+    for g in groups:
+        m = sample_groups == g
+        total += err[m].sum(0) / energy[m].sum(0).clamp_min(1e-30)
+    return total
+
+
+def _fold_scores(err, energy, sample_groups, n_groups: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip chosen on the groups other than ``f``; ``f``'s relative error at that clip and at no clip."""
+    rest = [g for g in range(n_groups) if g != f]
+    chosen = _rel(err, energy, sample_groups, rest).argmin(0)
+    held = _rel(err, energy, sample_groups, [f])
+    heads = torch.arange(held.shape[1])
+    return held[chosen, heads], held[0]  # CLIP_GRID[0] == 1.0: no clip
+
+
+def _rotated(samples, r_k, r_v, k_mean, cfg, scale, positions) -> list[RotatedSample]:
+    return [RotatedSample(s, r_k.float(), r_v.float(), k_mean.float(), cfg.sink, cfg.recent, scale, pos)
+            for s, pos in zip(samples, positions)]
+
+
+def _positions(samples, cfg, n_queries: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [query_positions(s.q.shape[1], cfg.sink, cfg.recent, n_queries, gen) for s in samples]
+
+
+def _heldout_decisions(groups: list[LayerStats], samples, sample_groups, cfg, group_size, scale, hadamard,
+                       centered: bool, use_oscar: bool, seed: int) -> dict:
+    """Leave-one-group-out check of the eigenbasis and the clip levels (see ``ACCEPTANCE``)."""
+    n_groups, kvh = len(groups), hadamard.shape[0]
+    positions = _positions(samples, cfg, cfg.decision_queries, seed)
+    zero = torch.zeros(kvh, hadamard.shape[-1], dtype=torch.float64)
+    cands = ("hadamard", "oscar") if use_oscar else ("hadamard",)
+    held = {(w, c, x): torch.zeros(kvh, dtype=torch.float64) for w in "kv" for c in cands for x in ("clip", "noclip")}
+    cache = {}
+    for f in range(n_groups):
+        rest = _merge([g for j, g in enumerate(groups) if j != f], samples=False)
+        mu = rest.key_mean if centered else zero
+        for c in cands:
+            r_k, r_v = (hadamard, hadamard) if c == "hadamard" else oscar_rotations(rest)
+            rotated = _rotated(samples, r_k, r_v, mu, cfg, scale, positions)
+            for w in "kv":
+                key = (c, w)
+                if c == "hadamard" and (w == "v" or not centered):  # no fold-dependent mean: same every fold
+                    curves = cache.get(key) or cache.setdefault(key, _curves(rotated, group_size, w))
+                else:
+                    curves = _curves(rotated, group_size, w)
+                at_clip, no_clip = _fold_scores(*curves, sample_groups, n_groups, f)
+                held[(w, c, "clip")] += at_clip
+                held[(w, c, "noclip")] += no_clip
+    out = {}
+    for w in "kv":
+        h_clip, h_none = held[(w, "hadamard", "clip")], held[(w, "hadamard", "noclip")]
+        if use_oscar:
+            o_clip, o_none = held[(w, "oscar", "clip")], held[(w, "oscar", "noclip")]
+            use = o_clip < h_clip
+            out[f"{w}_heldout_oscar"], out[f"{w}_heldout_hadamard"] = o_clip, h_clip
+            clip_err, none_err = torch.where(use, o_clip, h_clip), torch.where(use, o_none, h_none)
+        else:
+            use = torch.zeros(kvh, dtype=torch.bool)
+            clip_err, none_err = h_clip, h_none
+        out[f"{w}_oscar"] = use
+        out[f"{w}_clip_kept"] = clip_err < none_err
+        out[f"{w}_heldout_clip"], out[f"{w}_heldout_noclip"] = clip_err, none_err
+    return out
+
+
+def _final_clips(samples, sample_groups, n_groups, r_k, r_v, k_mean, cfg, group_size, scale, keep, seed) -> dict:
+    """Clip levels on all kept sequences (each group weighing equally), reverted to no clip where not accepted."""
+    positions = _positions(samples, cfg, cfg.clip_queries, seed)
+    rotated = _rotated(samples, r_k, r_v, k_mean, cfg, scale, positions)
+    grid = torch.tensor(CLIP_GRID, dtype=torch.float32)
+    heads = torch.arange(r_k.shape[0])
+    out = {}
+    for w in "kv":
+        err, energy = _curves(rotated, group_size, w)
+        best = _rel(err, energy, sample_groups, range(n_groups)).argmin(0)
+        best = torch.where(keep[w], best, torch.zeros_like(best))
+        tot_err, tot_energy = err.sum(0), energy.sum(0).clamp_min(1e-30)
+        out[f"{w}_clip"] = grid[best]
+        out[f"{w}_rel_error"] = (tot_err[best, heads] / tot_energy).sqrt()
+        out[f"{w}_rel_error_noclip"] = (tot_err[0] / tot_energy).sqrt()
+    return {k: out[k] for k in ("k_clip", "v_clip", "k_rel_error", "v_rel_error", "k_rel_error_noclip",
+                                "v_rel_error_noclip")}
+
+
+def _as_grouped(stats) -> GroupedStatistics:
+    return stats if isinstance(stats, GroupedStatistics) else GroupedStatistics(["data"], [stats])
+
+
+def fit(model, stats: GroupedStatistics | StatsCollector | None, cfg: CalibrationConfig, summary: dict,
         progress: bool = True) -> tuple[art.RotationArtifacts, list[dict]]:
-    """Fit ``cfg.method`` from collected statistics (several methods can share one collector)."""
+    """Fit ``cfg.method`` from collected statistics (several methods can share them)."""
     t0 = time.time()
     fp = art.ModelFingerprint.from_config(model.config)
     group = cfg.group_size or fp.head_dim
@@ -117,33 +303,62 @@ def fit(model, collector: StatsCollector | None, cfg: CalibrationConfig, summary
         a = art.BUILDERS[cfg.method](fp, **kw)
         a.calibration = {**summary, "tokens": 0, "note": "data-free baseline"}
         return a, []
+    stats = _as_grouped(stats)
     mods = attention_modules(model)
     centered = cfg.method not in UNCENTERED
+    use_oscar = not cfg.method.startswith("hadamard")
+    n_groups = len(stats.names)
+    sample_groups = torch.tensor(stats.sample_groups())
+    hadamard = rot.hadamard(fp.head_dim).expand(fp.num_kv_heads, -1, -1).clone()
+    zero = torch.zeros(fp.num_kv_heads, fp.head_dim, dtype=torch.float64)
+    all_heads = torch.ones(fp.num_kv_heads, dtype=torch.bool)
     layers, report = [], []
     for i in tqdm(range(fp.num_layers), desc=f"fit {cfg.method}", unit="layer", disable=not progress):
-        st = collector.layers[i]
-        if cfg.method.startswith("hadamard"):
-            h = rot.hadamard(fp.head_dim).expand(fp.num_kv_heads, -1, -1)
-            r_k, r_v = h.clone(), h.clone()
-        else:
-            r_k, r_v = oscar_rotations(st)
-        mu = st.key_mean if centered else torch.zeros(fp.num_kv_heads, fp.head_dim, dtype=torch.float64)
+        st = stats.layers[i]
         scale = float(getattr(mods[i], "scaling", fp.head_dim ** -0.5))
-        clips = _clips(st.samples, r_k, r_v, mu, cfg, group, scale, cfg.seed + i)
         row = {"layer": i}
+        if n_groups >= 2:
+            dec = _heldout_decisions(stats.group_layers(i), st.samples, sample_groups, cfg, group, scale, hadamard,
+                                     centered, use_oscar, cfg.seed + 2000 + i)
+            row.update({k: v.tolist() for k, v in dec.items()})
+            keep = {"k": dec["k_clip_kept"], "v": dec["v_clip_kept"]}
+            pick = {"k": dec["k_oscar"], "v": dec["v_oscar"]}
+        else:  # nothing to hold out: the fitted choices stand unchecked
+            keep = {"k": all_heads, "v": all_heads}
+            pick = {"k": all_heads if use_oscar else ~all_heads, "v": all_heads if use_oscar else ~all_heads}
+        if use_oscar:
+            o_k, o_v = oscar_rotations(st)
+            r_k = torch.where(pick["k"].reshape(-1, 1, 1), o_k, hadamard)
+            r_v = torch.where(pick["v"].reshape(-1, 1, 1), o_v, hadamard)
+        else:
+            r_k, r_v = hadamard.clone(), hadamard.clone()
+        mu = st.key_mean if centered else zero
+        clips = _final_clips(st.samples, sample_groups, n_groups, r_k, r_v, mu, cfg, group, scale, keep, cfg.seed + i)
         if cfg.method == "optr":
             w_o = mods[i].o_proj.weight.detach().cpu()
-            res = refine_layer(st.samples, r_k, r_v, mu, clips["k_clip"], clips["v_clip"], w_o, sink=cfg.sink,
-                               recent=cfg.recent, group=group, scale=scale, cfg=cfg.optr, seed=cfg.seed + 1000 + i)
+            if n_groups >= 2:  # train on all groups but one, check on that one
+                f = i % n_groups
+                order = [s for s, g in zip(st.samples, sample_groups.tolist()) if g != f]
+                held = [s for s, g in zip(st.samples, sample_groups.tolist()) if g == f]
+                ocfg = dataclasses.replace(cfg.optr, heldout=len(held))
+                samples, row["optr_heldout_group"] = order + held, stats.names[f]
+            else:
+                samples, ocfg, row["optr_heldout_group"] = st.samples, cfg.optr, "last kept sequence"
+            res = refine_layer(samples, r_k, r_v, mu, clips["k_clip"], clips["v_clip"], w_o, sink=cfg.sink,
+                               recent=cfg.recent, group=group, scale=scale, cfg=ocfg, seed=cfg.seed + 1000 + i)
             r_k, r_v = res["k_rotation"], res["v_rotation"]
-            clips = _clips(st.samples, r_k, r_v, mu, cfg, group, scale, cfg.seed + i)
+            clips = _final_clips(st.samples, sample_groups, n_groups, r_k, r_v, mu, cfg, group, scale, keep,
+                                 cfg.seed + i)
             row.update({name: res[name].tolist() for name in
                         ("k_heldout_before", "k_heldout_after", "k_kept", "v_heldout_before", "v_heldout_after", "v_kept")})
         layers.append(art.LayerRotation(r_k.float(), r_v.float(), mu.float(), clips["k_clip"], clips["v_clip"]))
         row.update({name: v.tolist() for name, v in clips.items()})
         report.append(row)
-    summary = {**summary, "method_seconds": round(time.time() - t0, 1), "layers": report}
+    summary = {**summary, "method_seconds": round(time.time() - t0, 1), "layers": report,
+               "acceptance": ACCEPTANCE if n_groups >= 2 else
+               "one held-out group only: data-dependent choices kept unchecked (OptR checks the last kept sequence)"}
     summary.setdefault("seconds", {})
+    summary.setdefault("heldout_groups", {n: None for n in stats.names})
     return art.RotationArtifacts(fp, cfg.method, layers, calibration=summary, **kw), report
 
 
@@ -152,19 +367,36 @@ def _mean(xs) -> float:
 
 
 def summary_table(report: list[dict]) -> str:
-    """One line per layer: chosen clips, INT2 errors with and without them, OptR decisions."""
+    """One line per layer: chosen clips, INT2 errors with and without them, held-out decisions, OptR decisions."""
     if not report:
         return "(data-free baseline: no per-layer calibration)"
     has_optr = "k_kept" in report[0]
-    head = "layer  K clip        V clip        K err (no clip)  V err (no clip)"
+    has_oscar = "k_oscar" in report[0]
+    has_clip_check = "k_clip_kept" in report[0]
+    head = "layer  K clip  V clip  K err (no clip)  V err (no clip)"
+    head += "  OSCAR K/V" if has_oscar else ""
+    head += "  clip K/V" if has_clip_check else ""
     head += "  OptR kept K/V  K held-out before->after" if has_optr else ""
     lines = [head]
     for r in report:
-        line = (f"{r['layer']:5d}  {_mean(r['k_clip']):.3f}         {_mean(r['v_clip']):.3f}         "
+        n = len(r["k_clip"])
+        line = (f"{r['layer']:5d}  {_mean(r['k_clip']):.3f}   {_mean(r['v_clip']):.3f}   "
                 f"{_mean(r['k_rel_error']):.3f} ({_mean(r['k_rel_error_noclip']):.3f})    "
                 f"{_mean(r['v_rel_error']):.3f} ({_mean(r['v_rel_error_noclip']):.3f})")
+        if has_oscar:
+            line += f"    {sum(r['k_oscar'])}/{sum(r['v_oscar'])} of {n}"
+        if has_clip_check:
+            line += f"  {sum(r['k_clip_kept'])}/{sum(r['v_clip_kept'])} of {n}"
         if has_optr:
-            line += (f"    {sum(r['k_kept'])}/{sum(r['v_kept'])} of {len(r['k_kept'])}       "
+            line += (f"   {sum(r['k_kept'])}/{sum(r['v_kept'])} of {n}       "
                      f"{sum(r['k_heldout_before']):.4f} -> {sum(r['k_heldout_after']):.4f}")
         lines.append(line)
+    totals = []
+    for key, label in (("k_oscar", "OSCAR eigenbasis kept (K)"), ("v_oscar", "OSCAR eigenbasis kept (V)"),
+                       ("k_clip_kept", "searched clip kept (K)"), ("v_clip_kept", "searched clip kept (V)"),
+                       ("k_kept", "OptR rotation kept (K)"), ("v_kept", "OptR rotation kept (V)")):
+        if key in report[0]:
+            totals.append(f"{label}: {sum(sum(r[key]) for r in report)}/{sum(len(r[key]) for r in report)}")
+    if totals:
+        lines.append("held-out decisions: " + "; ".join(totals))
     return "\n".join(lines)

