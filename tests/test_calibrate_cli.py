@@ -26,7 +26,8 @@ def test_calibrate_optr_writes_a_validated_artifact(tmp_path, capsys):
     assert a.method == "optr" and (a.sink, a.recent) == (8, 32)
     manifest = json.loads((out / "manifest.json").read_text())
     cal = manifest["calibration"]
-    assert cal["tokens"] == 1024 and cal["seed"] == 0 and cal["data"]["spec"] == "shakespeare"
+    assert cal["tokens"] == 1024 and cal["seed"] == 0 and cal["data"]["spec"] == "mix"  # the default
+    assert len(cal["heldout_groups"]) >= 2 and "acceptance" in cal
     assert len(cal["layers"]) == 30 and {"k_clip", "v_clip", "k_heldout_before", "k_kept"} <= set(cal["layers"][0])
     assert cal["peak_rss_mb"] > 0
 
