@@ -1,13 +1,15 @@
-"""REFERENCE ONLY (test oracle): the hot-window bookkeeping as it was before it was vectorised.
+"""REFERENCE ONLY (test oracle): the hot-window bookkeeping written the plain way.
 
-This is the per-request implementation that ``oscar_sglang/sglang/hot.py``
-replaced (Python loop over requests and windows, ``nonzero`` and boolean-mask
-indexing, host lists in).  It is kept verbatim in behaviour so the tests can
-assert that the vectorised :class:`oscar_sglang.sglang.hot.HotSet` and
+The per-request implementation that ``oscar_sglang/sglang/hot.py`` replaced
+(Python loop over requests and windows, ``nonzero`` and boolean-mask
+indexing, host lists in), extended with the same pinning rule (entries of
+tokens that left their window or whose request ended go "out of window",
+stamp 0, and are taken before in-window ones), so the tests can assert that
+the vectorised :class:`oscar_sglang.sglang.hot.HotSet` and
 :func:`~oscar_sglang.sglang.hot.window_plan` produce exactly the same
-``hot_index``, ``owner``, ``stamp`` and ``hot_loc`` on every input, and so
-``scripts/bench_host_overhead.py`` can time the old path.  Never imported by
-the serving code.
+``hot_index``, ``owner``, ``stamp``, counters and ``hot_loc`` on every input,
+and so ``scripts/bench_host_overhead.py`` can time a per-request path.  Never
+imported by the serving code.
 """
 
 from __future__ import annotations
@@ -19,17 +21,21 @@ import torch
 
 @dataclass(frozen=True)
 class RefWindowPlan:
-    """``new_pos``/``new_len`` per new token; ``keep_req``/``keep_pos`` per cached token in a window."""
+    """``new_pos``/``new_len`` per new token; ``keep_req``/``keep_pos`` per cached token in a window;
+    ``leave_req``/``leave_pos`` per cached token leaving the recent window."""
 
     new_pos: torch.Tensor
     new_len: torch.Tensor
     keep_req: torch.Tensor
     keep_pos: torch.Tensor
+    leave_req: torch.Tensor
+    leave_pos: torch.Tensor
 
 
 def ref_window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, recent: int) -> RefWindowPlan:
-    """Kept tokens: ``[0, min(sink, prefix))`` and ``[max(sink, seq - recent), prefix)`` per request."""
-    new_pos, new_len, keep_req, keep_pos = [], [], [], []
+    """Kept tokens: ``[0, min(sink, prefix))`` and ``[max(sink, seq - recent), prefix)`` per request;
+    leaving: ``[max(sink, prefix - recent), min(prefix, max(sink, seq - recent)))``."""
+    new_pos, new_len, keep_req, keep_pos, leave_req, leave_pos = [], [], [], [], [], []
     for b, (n0, n1) in enumerate(zip(prefix_lens, seq_lens)):
         if n1 < n0:
             raise ValueError(f"request {b}: sequence length {n1} is below its prefix length {n0}")
@@ -39,11 +45,15 @@ def ref_window_plan(prefix_lens: list[int], seq_lens: list[int], sink: int, rece
             if k1 > k0:
                 keep_pos.append(torch.arange(k0, k1))
                 keep_req.append(torch.full((k1 - k0,), b))
+        l0, l1 = max(sink, n0 - recent), min(n0, max(sink, n1 - recent))
+        if l1 > l0:
+            leave_pos.append(torch.arange(l0, l1))
+            leave_req.append(torch.full((l1 - l0,), b))
 
     def cat(parts):
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
-    return RefWindowPlan(cat(new_pos), cat(new_len), cat(keep_req), cat(keep_pos))
+    return RefWindowPlan(cat(new_pos), cat(new_len), cat(keep_req), cat(keep_pos), cat(leave_req), cat(leave_pos))
 
 
 class _Region:
@@ -64,6 +74,8 @@ class RefHotSet:
         self.owner = torch.full((self.entries,), -1, dtype=torch.long, device=device)
         self.stamp = torch.full((self.entries,), -1, dtype=torch.long, device=device)
         self.clock = 0
+        self.in_window_evictions = self.denied = 0
+        self.req_len: dict[int, int] = {}
         self._sink_region = _Region(0, sink_entries)
         self._recent_region = _Region(sink_entries, recent_entries)
 
@@ -81,6 +93,19 @@ class RefHotSet:
         self.stamp[held] = -1
         self.hot_index[slots] = -1
 
+    def retire(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        entry = self.hot_index[slots.to(self.device).long()].long()
+        self.stamp[entry[entry >= 0]] = 0
+
+    def end_requests(self, rows: list[int], req_to_token: torch.Tensor) -> None:
+        for row in rows:
+            n = self.req_len.pop(row, 0)
+            pos = sorted(set(range(min(self.sink, n))) | set(range(max(self.sink, n - self.recent), n)))
+            if pos:
+                self.retire(req_to_token[row, torch.tensor(pos)])
+
     def touch(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
             return
@@ -90,11 +115,13 @@ class RefHotSet:
     def _assign(self, slots: torch.Tensor, region: _Region) -> torch.Tensor:
         out = torch.full((slots.numel(),), -1, dtype=torch.long, device=self.device)
         n = min(slots.numel(), region.size)
+        self.denied += slots.numel() - n
         if n == 0:
             return out
         slots = slots[-n:].long()
         stamps = self.stamp[region.start:region.start + region.size]
         entries = region.start + torch.argsort(stamps, stable=True)[:n]
+        self.in_window_evictions += int((self.stamp[entries] > 0).sum())
         prev = self.owner[entries]
         evicted = prev[prev >= 0]
         still = self.hot_index[evicted].long() == entries[prev >= 0]
@@ -106,12 +133,14 @@ class RefHotSet:
         return out
 
     def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
-               kept_slots: torch.Tensor | None = None) -> torch.Tensor:
+               kept_slots: torch.Tensor | None = None, leave_slots: torch.Tensor | None = None) -> torch.Tensor:
         self.clock += 1
         new_slots = new_slots.to(self.device).long()
         new_pos = new_pos.to(self.device)
         new_len = new_len.to(self.device)
         self.release(new_slots)
+        if leave_slots is not None:
+            self.retire(leave_slots)
         if kept_slots is not None:
             self.touch(kept_slots)
         hot_loc = torch.full((new_slots.numel(),), -1, dtype=torch.long, device=self.device)
@@ -128,8 +157,9 @@ class RefHotSet:
         """What ``OscarInt2Pool.begin_pass`` did (host lists of lengths)."""
         plan = ref_window_plan(prefix_lens, seq_lens, self.sink, self.recent)
         rows = req_pool_indices.to(self.device).long()
-        if plan.keep_pos.numel():
-            kept = req_to_token[rows[plan.keep_req.to(self.device)], plan.keep_pos.to(self.device)]
-        else:
-            kept = torch.zeros(0, dtype=torch.long, device=self.device)
-        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept)
+        for row, n in zip(rows.tolist(), seq_lens):
+            self.req_len[row] = n
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        kept = req_to_token[rows[plan.keep_req], plan.keep_pos] if plan.keep_pos.numel() else empty
+        leave = req_to_token[rows[plan.leave_req], plan.leave_pos] if plan.leave_pos.numel() else empty
+        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept, leave)

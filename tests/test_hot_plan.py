@@ -10,8 +10,14 @@ vectorised one must leave exactly the same state (``hot_index``, ``owner``,
   hits on live and finished requests' prefixes, empty batches, requests
   finishing, their slots reused, cold writes (``release``) in between, with
   random sink/recent windows and region sizes (zero, smaller than the demand);
-* raw ``HotSet.update`` calls with arbitrary positions, lengths and kept
-  slots (duplicates, slots that are also written), not only what a plan makes.
+* raw ``HotSet.update`` calls with arbitrary positions, lengths, kept and
+  leaving slots (duplicates, slots that are also written), not only what a
+  plan makes.
+
+Both follow the pinning rule (tokens that left their window or whose request
+ended are out of window and taken first); the scenario tests below replay
+SGLang's schedules (prefill-first chunks, more requests than the pool)
+against the rule itself.
 
 A guard (``TorchDispatchMode``) then proves the per-pass path is free of
 device syncs and data-dependent shapes: ``pool.begin_pass`` (plan + hot set)
@@ -41,7 +47,9 @@ aten = torch.ops.aten
 def _plan_as_reference(plan):
     """The fixed ``[batch, sink + recent]`` layout flattened the reference's way (row-major: sinks, then recent)."""
     rows = torch.arange(plan.keep_mask.shape[0]).unsqueeze(1).expand_as(plan.keep_mask)
-    return plan.new_pos, plan.new_len, rows[plan.keep_mask], plan.keep_pos[plan.keep_mask]
+    leave_rows = torch.arange(plan.leave_mask.shape[0]).unsqueeze(1).expand_as(plan.leave_mask)
+    return (plan.new_pos, plan.new_len, rows[plan.keep_mask], plan.keep_pos[plan.keep_mask],
+            leave_rows[plan.leave_mask], plan.leave_pos[plan.leave_mask])
 
 
 def test_window_plan_matches_the_reference_on_random_batches():
@@ -60,7 +68,9 @@ def test_window_plan_matches_the_reference_on_random_batches():
         got = window_plan(torch.tensor(prefix, dtype=dtypes[0]), torch.tensor(seq, dtype=dtypes[1]), sum(ext),
                           sink, recent, one_new_each=decode and rng.random() < 0.5)
         assert got.keep_pos.shape == got.keep_mask.shape == (batch, sink + recent)
-        for a, b in zip(_plan_as_reference(got), (ref.new_pos, ref.new_len, ref.keep_req, ref.keep_pos)):
+        assert got.leave_pos.shape == got.leave_mask.shape
+        want = (ref.new_pos, ref.new_len, ref.keep_req, ref.keep_pos, ref.leave_req, ref.leave_pos)
+        for a, b in zip(_plan_as_reference(got), want):
             assert a.tolist() == b.tolist(), (prefix, seq, sink, recent)
 
 
@@ -73,13 +83,16 @@ def _assert_same(new: HotSet, ref: RefHotSet, what=""):
     assert torch.equal(new.hot_index, ref.hot_index), what
     assert torch.equal(new.owner, ref.owner), what
     assert torch.equal(new.stamp, ref.stamp), what
+    c = new.counters
+    assert (c["in_window_evictions"], c["denied"]) == (ref.in_window_evictions, ref.denied), what
 
 
 class _Traffic:
     """Random serving traffic over a slot pool: requests with ``req_to_token`` rows, a prefix cache, slot reuse."""
 
-    def __init__(self, rng: random.Random, num_slots: int, rows: int = 12, width: int = 96):
+    def __init__(self, rng: random.Random, num_slots: int, rows: int = 12, width: int = 96, on_end=None):
         self.rng = rng
+        self.on_end = on_end or (lambda rows, req_to_token: None)   # SGLang's free_rows hook
         self.free = list(range(1, num_slots))   # slot 0 is SGLang's padding slot
         rng.shuffle(self.free)
         self.refs = {}                            # slot -> holders (live requests + cached sequences)
@@ -119,6 +132,7 @@ class _Traffic:
         for row in list(self.live):
             if rng.random() < 0.15:                                  # finishes; maybe stays cached
                 slots = self.live.pop(row)
+                self.on_end([row], self.req_to_token)
                 self.free_rows.append(row)
                 if rng.random() < 0.5:
                     self.cached.append(slots)
@@ -159,7 +173,12 @@ def test_begin_pass_matches_the_reference_through_random_traffic(seed):
     sink_entries, recent_entries = rng.choice([0, 1, 3, 8, 40]), rng.choice([0, 2, 5, 16, 200])
     new = HotSet(num_slots, sink_entries, recent_entries, sink, recent)
     ref = RefHotSet(num_slots, sink_entries, recent_entries, sink, recent)
-    traffic = _Traffic(rng, num_slots, width=rng.choice([10, 96]))   # 10: rows shorter than sink + recent
+    new.track_requests(12)
+
+    def on_end(rows, req_to_token):
+        new.end_requests(rows, req_to_token), ref.end_requests(rows, req_to_token)
+
+    traffic = _Traffic(rng, num_slots, width=rng.choice([10, 96]), on_end=on_end)   # 10: rows < sink + recent
     for step in range(40):
         reqs = traffic.next_pass()
         rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
@@ -199,8 +218,10 @@ def test_update_matches_the_reference_on_arbitrary_inputs(seed):
         length = pos + torch.tensor([rng.randrange(-2, 12) for _ in range(n)], dtype=torch.int64)
         kept = torch.tensor([rng.randrange(num_slots) for _ in range(rng.choice([0, 4, 20]))], dtype=torch.int32)
         mask = torch.tensor([rng.random() < 0.7 for _ in range(kept.numel())], dtype=torch.bool)
-        want = ref.update(slots, pos, length, kept[mask])
-        got = new.update(slots, pos, length, kept, mask)
+        leave = torch.tensor([rng.randrange(num_slots) for _ in range(rng.choice([0, 3, 9]))], dtype=torch.int32)
+        lmask = torch.tensor([rng.random() < 0.6 for _ in range(leave.numel())], dtype=torch.bool)
+        want = ref.update(slots, pos, length, kept[mask], leave[lmask])
+        got = new.update(slots, pos, length, kept, mask, leave_slots=leave, leave_mask=lmask)
         assert torch.equal(got, want), (seed, step)
         _assert_same(new, ref, (seed, step))
         if rng.random() < 0.3:

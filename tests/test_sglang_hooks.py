@@ -69,6 +69,11 @@ def test_hook_target_signatures():
     p = params(f"{plugin.KV_CONFIGURATOR}._build_mha_kv_pool")
     assert list(p) == ["self", "max_total_num_tokens", "mha_pool_class", "quant_method"]
     assert list(params(f"{plugin.KV_CONFIGURATOR}.configure")) == ["self", "pre_model_load_memory"]
+    assert list(params(f"{plugin.REQ_TO_TOKEN_POOL}.free_rows")) == ["self", "indices"]
+    assert list(params(f"{plugin.REQ_TO_TOKEN_POOL}.clear")) == ["self"]
+    assert list(params(f"{plugin.METRICS_REPORTER}.report_decode_stats"))[:3] == [
+        "self", "can_run_cuda_graph", "running_batch"]
+    assert list(params("sglang.srt.models.utils.enable_fused_set_kv_buffer")) == ["forward_batch"]
 
 
 def test_configurator_members_the_hooks_read():
@@ -79,7 +84,8 @@ def test_configurator_members_the_hooks_read():
     assert {"kv_cache_dtype_str", "kv_cache_dtype", "model_config", "device", "is_draft_worker",
             "use_mla_backend", "layer_info"} <= fields
     assert isinstance(inspect.getattr_static(KVCacheConfigurator, "pool_page_size"), property)
-    assert {"token_to_kv_pool", "max_total_num_tokens"} <= set(KVCacheConfigResult.__struct_fields__)
+    assert {"token_to_kv_pool", "max_total_num_tokens", "req_to_token_pool", "max_running_requests"} <= set(
+        KVCacheConfigResult.__struct_fields__)
     assert {"start_layer", "end_layer", "num_effective_layers"} <= set(ModelLayerInfo.__struct_fields__)
 
 

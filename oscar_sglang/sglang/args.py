@@ -3,8 +3,9 @@
 * ``ServerArgs.add_cli_args`` (after): adds ``oscar-int2`` to the
   ``--kv-cache-dtype`` choices and the ``--oscar-rotations DIR``,
   ``--oscar-sink N``, ``--oscar-recent N``, ``--oscar-hot-requests N`` flags.
-* ``ServerArgs.from_cli_args`` (around): checks the flags, validates the
-  artifacts against the model's config, and exports the settings to the
+* ``ServerArgs.from_cli_args`` (around): checks the flags, refuses what
+  ``compat`` lists (one sentence each), validates the artifacts against the
+  model's config, and exports the settings to the
   environment the scheduler subprocesses inherit (``ServerArgs`` is sealed).
   A bad launch exits with one sentence, as argparse does.
 * Resolution steps (SGLang's ``register_resolution_hook``): with
@@ -22,6 +23,7 @@ import os
 
 from oscar_sglang import artifacts
 
+from . import compat
 from .settings import (BACKEND_NAME, DEFAULT_HOT_REQUESTS, ENV_ROTATIONS, KV_CACHE_DTYPE, MISSING_ROTATIONS,
                        LaunchSettings, OscarConfigError)
 
@@ -87,6 +89,7 @@ def _check_artifacts_early(settings: LaunchSettings, args) -> None:
     except Exception as e:  # noqa: BLE001 - SGLang reports an unreadable model itself
         logger.info("oscar-sglang: model config not readable in the launcher (%s); schedulers will validate", e)
         return
+    compat.check_model(config)
     artifacts.load(settings.rotations, expect=artifacts.ModelFingerprint.from_config(config))
 
 
@@ -95,6 +98,7 @@ def from_cli_args(original, cls, args):
     try:
         settings = launch_settings(args)
         if settings is not None:
+            compat.check_launch(args)
             _check_artifacts_early(settings, args)
     except (OscarConfigError, artifacts.ArtifactError) as e:
         raise SystemExit(f"oscar-sglang: error: {e}") from None

@@ -81,6 +81,8 @@ class OscarInt2AttnBackend(AttentionBackend):
             raise RuntimeError(f"the oscar_int2 attention backend needs --kv-cache-dtype oscar-int2 "
                                f"(the KV pool is a {type(pool).__name__})")
         self.pool = pool
+        # what SGLang's forward_context.get_token_to_kv_pool / get_req_to_token_pool read from the backend
+        self.token_to_kv_pool, self.req_to_token_pool = pool, model_runner.req_to_token_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.device = model_runner.device
         self.forward_metadata = None
@@ -214,8 +216,14 @@ class OscarInt2AttnBackend(AttentionBackend):
     # -- helpers --------------------------------------------------------------
 
     def _save(self, layer, forward_batch, k, v, save_kv_cache: bool) -> None:
-        if save_kv_cache:
-            self.pool.write(layer.layer_id, forward_batch.out_cache_loc, k, v, self.forward_metadata.hot_loc)
+        if not save_kv_cache:
+            # The pass already gave the new tokens BF16 entries (shared by all layers): skipping this layer's
+            # write would leave it reading another slot's rows there.  Models known to do this are refused
+            # at startup (compat.ARCHITECTURE_REFUSALS); this is the safety net for any other.
+            raise RuntimeError(f"--kv-cache-dtype oscar-int2: layer {layer.layer_id} of this model attends "
+                               "without writing its K/V (save_kv_cache=False), which the INT2 cache does not "
+                               "support; serve this model with SGLang's own KV cache")
+        self.pool.write(layer.layer_id, forward_batch.out_cache_loc, k, v, self.forward_metadata.hot_loc)
 
     @staticmethod
     def _shape(q, k, v, layer):

@@ -7,35 +7,53 @@ is the slot's entry or -1; ``owner[entry]`` is the slot holding the entry or
 -1.  Handing out an entry evicts its previous owner (that slot is then read
 from INT2: precision lost, never data, because INT2 is always written).
 
-Eviction is least-recently-used, where "used" means "in the window of a
-request of this forward pass": every pass stamps the entries of its
-requests' sink and recent windows, and new tokens take free entries first,
-then the entries stamped longest ago (tokens that left every window, then
-finished or waiting requests' windows).  So while the running requests'
-windows fit in a region, a prefill burst or a newly admitted request never
-takes a running request's hot rows.  A token that leaves its request's
-recent window keeps its BF16 copy until the entry is needed: readers take
-BF16 at every window and wherever a copy survives, which is never less
-precise, and a request that reuses a cached prefix (radix hit) finds the
-prefix's tail still in BF16 unless traffic evicted it meanwhile.
+Which entry a new token takes (the **pinning rule**): free entries first,
+then *out-of-window* entries, and only then, least recently used first,
+entries still in the window of a live request.  An entry holds its token's
+copy in one of three states, kept in ``stamp``:
+
+* ``-1``: free;
+* ``0``: out of window: its token left its request's recent window (a pass
+  of that request moved the window past it) or its request ended
+  (:meth:`HotSet.end_requests`, called when SGLang frees the request's row:
+  finished, aborted or retracted);
+* ``> 0``: the pass number when it was last in the window of a request of a
+  forward pass: *in window*, pinned as long as out-of-window or free entries
+  are left.
+
+So a chunked prefill recycles the entries its own earlier chunks left behind,
+and the windows of running requests that sit out a few prefill-only passes
+keep their BF16 rows, as long as the region holds every live window (the
+pool is sized for ``hot_requests`` windows; the server warns at startup if
+SGLang may run more requests at once).  Where a region is too small, an
+in-window entry is taken anyway (that token is then read from INT2:
+precision lost, never data, because INT2 is always written) and counted in
+:attr:`HotSet.counters` (``in_window_evictions``; ``denied``: tokens of a
+window that got no entry at all).  A token that leaves its window keeps its
+BF16 copy until the entry is needed: readers take BF16 at every window and
+wherever a copy survives, which is never less precise, and a request that
+reuses a cached prefix (radix hit) finds the prefix's tail still in BF16
+unless traffic took it meanwhile; its first pass pins it again.
 
 Per forward pass, :meth:`HotSet.update` applies, in order:
 
 1. the slots being written drop their old entries (a reused slot never shows
    a freed token's BF16 row);
-2. the entries of the cached tokens in the batch's windows are stamped, so a
+2. the entries of the cached tokens that leave their request's recent window
+   in this pass become out of window;
+3. the entries of the cached tokens in the batch's windows are stamped, so a
    request reads BF16 at least at positions ``< sink`` and ``>= len - recent``
    whatever the rest of the traffic (as long as the regions are big enough);
-3. new tokens at sink positions get sink entries, new tokens in the recent
-   window get recent entries (free or least recently used first; the last
-   ``region size`` tokens of the pass if more ask; among equally old entries
-   the lowest first).
+4. new tokens at sink positions get sink entries, new tokens in the recent
+   window get recent entries (free, then out of window, then least recently
+   used; the last ``region size`` tokens of the pass if more ask; among
+   equally ranked entries the lowest first).
 
 The returned ``hot_loc`` (entry per new token or -1) is what the write path
 copies the rotated BF16 rows to, in every layer.
 
 **No host work per request, no device sync.**  :func:`window_plan` and
-:meth:`HotSet.update` are fixed sequences of tensor ops (about 45 per decode
+:meth:`HotSet.update` are fixed sequences of tensor ops (about 55 per decode
 pass, whatever the batch) whose shapes depend only on host numbers SGLang
 already has (batch size, number of new tokens) and on the settings: no
 ``nonzero``, no boolean-mask indexing, no ``.item()``.  Masked writes go to
@@ -44,8 +62,8 @@ one spare element at the end of ``hot_index``, ``owner`` and ``stamp`` (the
 read back as state), the pass counter lives on the device, and "the last
 ``n`` tokens of a region take the ``n`` least recently stamped entries" is a
 cumulative sum (rank of each token) and a ``topk`` over the region's
-``(stamp, entry)`` keys.  ``tests/hot_reference.py`` keeps the earlier
-per-request implementation; the tests fuzz this one against it.  Plain
+``(stamp, entry)`` keys.  ``tests/hot_reference.py`` keeps a per-request
+implementation of the same policy; the tests fuzz this one against it.  Plain
 torch, no SGLang.
 """
 
@@ -68,12 +86,18 @@ class WindowPlan:
     says whether it is a cached token in a window (elsewhere the position is
     unused, may be past the sequence, and is never below 0).  Columns
     ``j < sink`` are positions ``j``, the others ``max(sink, seq - recent) + j - sink``.
+    ``leave_pos``/``leave_mask [batch, L]``: the cached tokens that leave the
+    recent window in this pass, ``[max(sink, prefix - recent), min(prefix,
+    max(sink, seq - recent)))``, at columns ``max(sink, prefix - recent) + j``
+    (``L = 1`` for a decode plan, else ``recent``; same masking rule).
     """
 
     new_pos: torch.Tensor
     new_len: torch.Tensor
     keep_pos: torch.Tensor
     keep_mask: torch.Tensor
+    leave_pos: torch.Tensor
+    leave_mask: torch.Tensor
 
 
 def _lengths(x: torch.Tensor | Sequence[int], device: torch.device | str | None) -> torch.Tensor:
@@ -114,7 +138,13 @@ def window_plan(prefix_lens: torch.Tensor | Sequence[int], seq_lens: torch.Tenso
     shift = torch.clamp(seq - (sink + recent), min=0).unsqueeze(1)
     keep_pos = torch.addcmul(col, shift, recent_col)            # [batch, sink + recent]
     keep_mask = keep_pos < prefix.unsqueeze(1)
-    return WindowPlan(new_pos, new_len, keep_pos, keep_mask)
+    # leaving the recent window: [max(sink, prefix - recent), min(prefix, max(sink, seq - recent)))
+    width = min(recent, 1) if one_new_each else recent
+    start = torch.clamp(prefix - recent, min=sink).unsqueeze(1)
+    end = torch.minimum(prefix, torch.clamp(seq - recent, min=sink)).unsqueeze(1)
+    leave_pos = start + col[:width]
+    leave_mask = leave_pos < end
+    return WindowPlan(new_pos, new_len, keep_pos, keep_mask, leave_pos, leave_mask)
 
 
 _COLUMNS: dict = {}
@@ -160,8 +190,14 @@ class HotSet:
         self._clock = torch.zeros((), dtype=torch.long, device=device)   # passes so far, on the device
         self._none = torch.tensor(-1, dtype=torch.long, device=device)     # "no entry / no slot / free"
         self._cold = torch.tensor(-1, dtype=torch.int32, device=device)    # hot_index of a cold slot
+        self._zero = torch.zeros((), dtype=torch.long, device=device)    # stamp of an out-of-window entry
         self._sink_region = _Region(0, sink_entries, self._stamp)
         self._recent_region = _Region(sink_entries, recent_entries, self._stamp)
+        # counters (device): in-window entries taken for another token; window tokens that got no entry
+        self._in_window_evictions = torch.zeros((), dtype=torch.long, device=device)
+        self._denied = torch.zeros((), dtype=torch.long, device=device)
+        # length of each request row after its last pass (see track_requests / end_requests)
+        self._req_len: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -171,6 +207,66 @@ class HotSet:
     def clock(self) -> int:
         """Passes so far (reads the device counter: for tests and logs, not for the serving path)."""
         return int(self._clock)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Host copies of the counters (syncs: for metrics, logs and tests, not the per-pass path).
+
+        ``in_window_evictions``: entries taken while still in the window of a
+        request that had not ended (that token is read from INT2 from then
+        on); ``denied``: new tokens in a window that got no entry (region
+        smaller than the pass's demand); ``in_window``/``out_of_window``/
+        ``free``: entries in each state now.
+        """
+        return {"in_window_evictions": int(self._in_window_evictions), "denied": int(self._denied),
+                "in_window": int((self.stamp > 0).sum()), "out_of_window": int((self.stamp == 0).sum()),
+                "free": int((self.stamp < 0).sum())}
+
+    def track_requests(self, rows: int) -> None:
+        """Remember each request row's length after its passes, so :meth:`end_requests` finds its window.
+
+        ``rows``: the number of rows of SGLang's ``req_to_token`` (allocated
+        once, before serving: the per-pass path then only writes into it).
+        """
+        self._req_len = torch.zeros(rows + 1, dtype=torch.long, device=self.device)   # + the trash row
+
+    def end_requests(self, rows, req_to_token: torch.Tensor) -> None:
+        """Requests in ``rows`` (``req_to_token`` rows being freed) ended: their window entries go out of window.
+
+        Their BF16 copies stay until the entries are needed (a radix hit on
+        the prefix pins them again).  Needs :meth:`track_requests`; a no-op
+        without it.  Called by SGLang's ``ReqToTokenPool.free_rows`` hook,
+        before the rows are reused.
+        """
+        if self._req_len is None:
+            return
+        rows = torch.as_tensor(rows, dtype=torch.long).to(self.device).reshape(-1)
+        if rows.numel() == 0:
+            return
+        length = self._req_len.index_select(0, rows)
+        plan = window_plan(length, length, 0, self.sink, self.recent, device=self.device)
+        if plan.keep_pos.shape[1]:
+            pos = torch.clamp(plan.keep_pos, max=req_to_token.shape[1] - 1)
+            slots = req_to_token[rows.to(req_to_token.device).unsqueeze(1), pos.to(req_to_token.device)]
+            self.retire(slots, plan.keep_mask)
+        self._req_len.index_put_((rows,), self._zero)
+
+    def reset(self) -> None:
+        """Every entry free, no request tracked (SGLang's cache flush: no slot holds a token any more)."""
+        self._hot_index.fill_(-1)
+        self._owner.fill_(-1)
+        self._stamp.fill_(-1)
+        if self._req_len is not None:
+            self._req_len.zero_()
+
+    def retire(self, slots: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """The entries of ``slots`` (those holding one, and where ``mask``) go out of window (stamp 0)."""
+        if slots.numel() == 0:
+            return
+        entry = self._hot_index.index_select(0, slots.to(self.device).reshape(-1).long())
+        if mask is not None:
+            entry = torch.where(mask.to(self.device).reshape(-1), entry, self._cold)
+        self._stamp.index_put_((entry.long(),), self._zero)
 
     def release(self, slots: torch.Tensor) -> None:
         """Slots lose their entries (if any); the entries become free."""
@@ -227,6 +323,7 @@ class HotSet:
         sink = self._candidates(is_sink, self._sink_region, sink_demand)
         recent = self._candidates(is_recent, self._recent_region, recent_demand)
         if sink is None and recent is None:
+            self._denied.add_((is_sink | is_recent).sum())
             return self._none.expand(slots.numel()).clone()
         if sink is None or recent is None:
             j, take, order = sink or recent
@@ -236,6 +333,7 @@ class HotSet:
             take = sink[1] | recent[1]
         entry = torch.take(order, j)                            # j = -1 reads a valid (unused) element
         entry_t = torch.where(take, entry, self._none)          # -1: the trash
+        self._in_window_evictions.add_(((torch.take(self._stamp, entry_t) > 0) & take).sum())
         # the previous owners lose the entry (if it is still theirs; for non-takers prev is the trash's
         # owner and the write below stores -1 where -1 already is)
         prev = torch.take(self._owner, entry_t)
@@ -244,15 +342,18 @@ class HotSet:
         self._owner.index_put_((entry_t,), slots)
         self._stamp.index_put_((entry_t,), self._clock)
         self._hot_index.index_put_((torch.where(take, slots, self._none),), entry.to(torch.int32))
+        self._denied.add_((is_sink | is_recent).sum() - take.sum())
         return entry_t
 
     def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
                kept_slots: torch.Tensor | None = None, kept_mask: torch.Tensor | None = None,
-               batch_size: int | None = None) -> torch.Tensor:
+               batch_size: int | None = None, leave_slots: torch.Tensor | None = None,
+               leave_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply one forward pass (see the module docstring); returns ``hot_loc`` int64 ``[n]``.
 
         ``new_slots`` must be distinct (SGLang never writes a slot twice in a
-        pass).  ``kept_slots`` (any shape) are stamped where ``kept_mask``.
+        pass).  ``leave_slots`` (any shape) go out of window where
+        ``leave_mask``, then ``kept_slots`` are stamped where ``kept_mask``.
         ``batch_size`` (host), when the positions come from
         :func:`window_plan`, bounds a region's takers by ``batch * window``.
         """
@@ -260,6 +361,8 @@ class HotSet:
         new_slots = new_slots.to(self.device).long()
         n = new_slots.numel()
         self.release(new_slots)
+        if leave_slots is not None:
+            self.retire(leave_slots, leave_mask)
         if kept_slots is not None:
             self.touch(kept_slots, kept_mask)
         if n == 0:
@@ -288,10 +391,16 @@ class HotSet:
         n, batch = out_cache_loc.numel(), req_pool_indices.numel()
         plan = window_plan(prefix_lens, seq_lens, n, self.sink, self.recent, device=self.device,
                            one_new_each=decode)
-        kept = None
+        kept = leave = None
+        rows = req_pool_indices.to(self.device)
         if batch and plan.keep_pos.shape[1]:
             pos = plan.keep_pos
             if req_to_token.shape[1] < self.sink + self.recent:   # unused columns may point past a short row
                 pos = torch.clamp(pos, max=req_to_token.shape[1] - 1)
-            kept = req_to_token[req_pool_indices.to(self.device).unsqueeze(1), pos]
-        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept, plan.keep_mask, batch_size=batch)
+            kept = req_to_token[rows.unsqueeze(1), pos]
+        if batch and plan.leave_pos.shape[1]:
+            leave = req_to_token[rows.unsqueeze(1), torch.clamp(plan.leave_pos, max=req_to_token.shape[1] - 1)]
+        if self._req_len is not None and batch:
+            self._req_len.index_put_((rows.long(),), _lengths(seq_lens, self.device).long())
+        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept, plan.keep_mask, batch_size=batch,
+                           leave_slots=leave, leave_mask=plan.leave_mask)

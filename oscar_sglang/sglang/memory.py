@@ -15,14 +15,20 @@ All of them act only when the runner's KV dtype string is ``oscar-int2``:
   fixed budget from ``OSCAR_SGLANG_KV_BUDGET_BYTES`` when set (benchmarks).
 * ``KVCacheConfigurator._build_mha_kv_pool`` (around): builds the INT2 pool.
 * ``KVCacheConfigurator.configure`` (after): refuses any other pool (MLA,
-  hybrid, sliding-window models) and logs the one-line summary.
+  hybrid, sliding-window models), attaches the INT2 pool to SGLang's request
+  rows, warns when SGLang may run more requests than the hot side pool holds
+  windows for, and logs the one-line summary.
+* ``ReqToTokenPool.free_rows`` (before) and ``ReqToTokenPool.clear`` (after):
+  a request row freed (finished, aborted, retracted) puts its window's BF16
+  entries out of window, first to be reused (``HotSet.end_requests``); a
+  cache flush frees every entry.
 """
 
 from __future__ import annotations
 
 import logging
 
-from . import sizing
+from . import compat, sizing
 from .settings import KV_CACHE_DTYPE, OscarConfigError, kv_budget_bytes, serving_config
 
 logger = logging.getLogger(__name__)
@@ -54,6 +60,7 @@ def _serving(kvc):
 
     if kvc.use_mla_backend:
         raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} supports MHA/GQA models, not MLA")
+    compat.check_model(kvc.model_config.hf_config)
     parallel = get_parallel()
     if parallel.attn_dcp_size > 1:
         raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} does not support decode context parallelism")
@@ -132,7 +139,36 @@ def check_pool_and_log(result, self, *args, **kwargs):
     if not isinstance(pool, OscarInt2Pool):
         raise OscarConfigError(f"--kv-cache-dtype {KV_CACHE_DTYPE} supports standard MHA/GQA models; this model "
                                f"needs SGLang's {type(pool).__name__}")
+    pool.attach_requests(result.req_to_token_pool)
     logger.info(summary_line(pool, result.max_total_num_tokens))
+    warning = hot_pool_warning(pool.hot_requests, result.max_running_requests)
+    if warning:
+        logger.warning(warning)
+    return result
+
+
+def hot_pool_warning(hot_requests: int, max_running_requests: int | None) -> str | None:
+    """One sentence when SGLang may run more requests at once than the hot side pool holds windows for."""
+    if not max_running_requests or hot_requests >= max_running_requests:
+        return None
+    return (f"oscar-int2: the BF16 hot side pool holds the sink and recent windows of {hot_requests} requests, but "
+            f"SGLang may run up to {max_running_requests} at once; beyond {hot_requests}, window tokens are read "
+            f"from INT2 (less precise; counted as in-window evictions). Raise --oscar-hot-requests or lower "
+            f"--max-running-requests to {hot_requests}")
+
+
+def end_requests(req_to_token_pool, indices, *args, **kwargs):
+    """Before ``ReqToTokenPool.free_rows``: the rows' requests ended; their hot windows go out of window."""
+    pool = getattr(req_to_token_pool, "oscar_pool", None)
+    if pool is not None and len(indices):
+        pool.end_requests(list(indices), req_to_token_pool.req_to_token)
+
+
+def flush_requests(result, req_to_token_pool, *args, **kwargs):
+    """After ``ReqToTokenPool.clear`` (SGLang's cache flush): every hot entry is free again."""
+    pool = getattr(req_to_token_pool, "oscar_pool", None)
+    if pool is not None:
+        pool.hot.reset()
     return result
 
 

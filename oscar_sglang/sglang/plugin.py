@@ -9,11 +9,13 @@ hooked is listed in :data:`HOOKS` (and :data:`RESOLUTION_STEPS`), which
 
 from __future__ import annotations
 
-from . import args, memory
+from . import args, compat, memory, metrics
 
 SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
 POOL_CONFIGURATOR = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
+REQ_TO_TOKEN_POOL = "sglang.srt.mem_cache.memory_pool.ReqToTokenPool"
+METRICS_REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter.SchedulerMetricsReporter"
 
 # (target, hook, hook type name); the hook types are SGLang's HookType members.
 HOOKS = (
@@ -25,6 +27,10 @@ HOOKS = (
     (f"{KV_CONFIGURATOR}._profile_available_bytes", memory.profile_available_bytes, "AROUND"),
     (f"{KV_CONFIGURATOR}._build_mha_kv_pool", memory.build_mha_kv_pool, "AROUND"),
     (f"{KV_CONFIGURATOR}.configure", memory.check_pool_and_log, "AFTER"),
+    (f"{REQ_TO_TOKEN_POOL}.free_rows", memory.end_requests, "BEFORE"),
+    (f"{REQ_TO_TOKEN_POOL}.clear", memory.flush_requests, "AFTER"),
+    ("sglang.srt.models.utils.enable_fused_set_kv_buffer", compat.no_fused_kv_write, "AROUND"),
+    (f"{METRICS_REPORTER}.report_decode_stats", metrics.report_decode_stats, "AFTER"),
 )
 
 # Server-argument resolution steps wrapped through SGLang's register_resolution_hook.

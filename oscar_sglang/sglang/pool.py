@@ -87,6 +87,19 @@ class OscarInt2Pool(KVCache):
         rot.check(self.head_num, self.head_dim)
         return rot
 
+    def attach_requests(self, req_to_token_pool) -> None:
+        """Follow SGLang's request rows: their lengths per pass, and their end (``free_rows``) and flush (``clear``).
+
+        The plugin's hooks on ``ReqToTokenPool.free_rows``/``clear`` find this
+        pool through the attribute set here (one pool per scheduler process).
+        """
+        self.hot.track_requests(req_to_token_pool.req_to_token.shape[0])
+        req_to_token_pool.oscar_pool = self
+
+    def end_requests(self, rows, req_to_token: torch.Tensor) -> None:
+        """Request rows being freed: their windows' BF16 entries go out of window (``HotSet.end_requests``)."""
+        self.hot.end_requests(rows, req_to_token)
+
     @property
     def hot_index(self) -> torch.Tensor:
         return self.hot.hot_index

@@ -10,8 +10,10 @@ windows in the sink region and ``hot_requests`` recent windows in the recent
 region, each plus a quarter more (at least one window) for newly admitted
 requests and prefill bursts.  Its bytes are taken
 off the budget before SGLang divides, so the capacity SGLang reports is what
-really fits.  More running requests than ``hot_requests`` still work: the
-regions evict the least recently used hot copies, which are then read from INT2.
+really fits.  More running requests than ``hot_requests`` still work: once
+no free or out-of-window entry is left, the regions hand out in-window entries
+least recently used first (those tokens are then read from INT2, and counted;
+see ``hot.py``).
 """
 
 from __future__ import annotations
