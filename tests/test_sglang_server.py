@@ -8,8 +8,9 @@ whose teardown kills each server's whole process group):
 * an oscar-int2 server with an artifact calibrated by ``oscar-calibrate`` in
   the fixture (oscar-center, 2048 tokens, ~20 s), which answers the same
   factual prompts and stops;
-* an oscar-int2 server with Hadamard rotations (``--enable-cache-report``),
-  which stays up for the plugin, prefix-cache and concurrency tests.
+* an oscar-int2 server with Hadamard rotations (``--enable-cache-report``,
+  ``--enable-metrics``), which stays up for the plugin, prefix-cache,
+  concurrency and hot-pool bookkeeping tests.
 
 All INT2 servers run ``--oscar-sink 4 --oscar-recent 16`` and every prompt is
 longer than 20 tokens, so most of each prompt is read back from INT2.  Plus
@@ -56,6 +57,7 @@ INT2_FLAGS = ("--kv-cache-dtype", "oscar-int2", "--oscar-sink", str(SINK), "--os
 NOISE = 0.4  # nats: bound on float noise of a log probability between batchings (measured <= 0.19)
 AGREE_TOKENS = 8  # greedy tokens compared with BF16 on the factual prompts
 NEW_TOKENS = 12  # tokens of the cache and concurrency requests
+LOG_INTERVAL = 4  # --decode-log-interval of the Hadamard server: the hot pool's log line and metrics
 
 # Prompts longer than sink + recent (20 tokens), so decoding reads INT2 rows.
 PROMPTS = [
@@ -239,7 +241,7 @@ def int2_url(model_dir, rotations, bf16_answers, tmp_path_factory):
     """The Hadamard oscar-int2 server, up for the rest of the module (in file order, the others have stopped)."""
     log = tmp_path_factory.mktemp("int2") / "server.log"
     with local_server(model_dir, log, *SERVER_FLAGS, *INT2_FLAGS, "--oscar-rotations", str(rotations[0]),
-                      "--enable-cache-report") as url:
+                      "--enable-cache-report", "--enable-metrics", "--decode-log-interval", str(LOG_INTERVAL)) as url:
         yield url, log
 
 
@@ -496,3 +498,52 @@ def test_sixteen_concurrent_requests_equal_their_sequential_answers(int2_url):
         moved = max(moved, dlp)
     print(f"\n16 concurrent requests in {wall:.0f} s; leading tokens equal to the sequential answer: {agree}; "
           f"log probabilities within {moved:.3f} nats")
+
+
+def _metrics(url) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("sglang:oscar_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0]] = float(value)
+    return out
+
+
+def _hot_lines(log) -> list[str]:
+    return [x.split("oscar-int2 hot pool:", 1)[1] for x in log.read_text().splitlines() if "oscar-int2 hot pool:" in x]
+
+
+def test_hot_pool_is_back_to_one_window_after_the_traffic(int2_url):
+    """After every earlier request (16 concurrent among them) and a flush, one request holds exactly its window.
+
+    The requests that ended put their windows out of window (the ``free_rows``
+    hook) and the flush freed every entry (the ``clear`` hook): a leak of hot
+    entries would show as more than one window in window.  Read from the hot
+    pool's log line and the Prometheus series at the decode log interval.
+    """
+    import re
+
+    url, log = int2_url
+    flush_cache(url)
+    before = len(_hot_lines(log))
+    answer = _generate(url, CONCURRENT[0], n=3 * LOG_INTERVAL)
+    assert answer["completion_tokens"] == 3 * LOG_INTERVAL
+    lines = _hot_lines(log)[before:]
+    assert lines, "no hot pool line at the decode log interval"
+    m = re.match(r" (\d+)/(\d+) entries in window, (\d+) out of window; in-window evictions (\d+), "
+                 r"denied window tokens (\d+); BF16 reads (\d+)/(\d+)", lines[-1])
+    assert m, lines[-1]
+    in_window, entries, out_of_window, evictions, denied, hot_reads, reads = map(int, m.groups())
+    assert in_window == SINK + RECENT                          # this request's window, nothing left over
+    assert evictions == 0 and denied == 0                      # the pool held every window all along
+    assert reads >= answer["prompt_tokens"] and SINK + RECENT <= hot_reads <= reads
+    series = _metrics(url)
+    assert series["sglang:oscar_hot_in_window_entries"] == SINK + RECENT
+    assert series["sglang:oscar_hot_entries"] == entries
+    assert series["sglang:oscar_hot_in_window_evictions_total"] == 0
+    assert 0 < series["sglang:oscar_bf16_read_share"] <= 1
+    print(f"\nhot pool after the traffic: {lines[-1].strip()}")

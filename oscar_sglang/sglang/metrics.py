@@ -81,6 +81,8 @@ class HotPoolMetrics:
         self.gauges = {g: Gauge(f"sglang:{g}", _HELP[g], labelnames=names, multiprocess_mode="mostrecent", **kw)
                        for g in GAUGES}
         self.counters = {c: Counter(f"sglang:{c}", _HELP[c], labelnames=names, **kw) for c in COUNTERS}
+        for c in self.counters.values():          # exported from the start (at 0), not after the first loss
+            c.labels(**labels)
         self._last = {c: 0 for c in COUNTERS}
 
     def update(self, snapshot: dict) -> None:
@@ -93,6 +95,18 @@ class HotPoolMetrics:
             self._last[c] = snapshot[c]
 
 
+def batch_rows(batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(req_to_token rows, cached lengths)`` of a ScheduleBatch's requests (from ``reqs``: its tensors may be
+    stale or unset between passes), or of any object with ``req_pool_indices``/``seq_lens`` tensors."""
+    reqs = getattr(batch, "reqs", None)
+    if reqs:
+        kv = [r.kv for r in reqs if getattr(r.kv, "req_pool_idx", None) is not None]
+        return (torch.tensor([k.req_pool_idx for k in kv], dtype=torch.long),
+                torch.tensor([k.kv_committed_len for k in kv], dtype=torch.long))
+    rows, lens = getattr(batch, "req_pool_indices", None), getattr(batch, "seq_lens", None)
+    return None if rows is None or lens is None else (rows, lens)
+
+
 def snapshot(pool, batch=None, req_to_token: torch.Tensor | None = None) -> dict:
     """The hot set's state and, given a decode ``batch``, the BF16 share of its reads."""
     c = pool.hot.counters
@@ -100,9 +114,9 @@ def snapshot(pool, batch=None, req_to_token: torch.Tensor | None = None) -> dict
            "oscar_hot_out_of_window_entries": c["out_of_window"],
            "oscar_hot_in_window_evictions": c["in_window_evictions"], "oscar_hot_denied_tokens": c["denied"],
            "oscar_bf16_read_share": 0.0, "reads": (0, 0)}
-    rows = getattr(batch, "req_pool_indices", None)
-    lens = getattr(batch, "seq_lens", None)
-    if rows is not None and lens is not None and req_to_token is not None and rows.numel():
+    got = batch_rows(batch) if batch is not None else None
+    if got is not None and req_to_token is not None and got[0].numel():
+        rows, lens = (t.to(req_to_token.device) for t in got)
         hot, total = bf16_reads(pool.hot_index, req_to_token, rows, lens)
         out["reads"] = (hot, total)
         out["oscar_bf16_read_share"] = hot / total if total else 0.0
