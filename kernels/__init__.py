@@ -6,6 +6,6 @@ See docs/KERNELS.md.
 """
 
 from .api import decode_attention, extend_attention, write_kv
-from .layout import LayerRotation, LayerStore, empty_store
+from .layout import DeviceRotation, LayerStore, empty_store
 
-__all__ = ["LayerRotation", "LayerStore", "decode_attention", "empty_store", "extend_attention", "write_kv"]
+__all__ = ["DeviceRotation", "LayerStore", "decode_attention", "empty_store", "extend_attention", "write_kv"]

@@ -13,7 +13,7 @@ import importlib
 
 import torch
 
-from .layout import LayerRotation, LayerStore, triton_unsupported  # noqa: F401  (re-exported for the pool)
+from .layout import DeviceRotation, LayerStore, triton_unsupported  # noqa: F401  (re-exported for the pool)
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -34,7 +34,7 @@ def _op(name: str, backend: str, device: torch.device):
     return importlib.import_module(f"{__package__}.{name}.triton_kernel")
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: LayerRotation,
+def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: DeviceRotation,
              hot_loc: torch.Tensor | None = None, *, backend: str = "auto") -> None:
     """Rotate, clip, quantize and store ``k, v [n, kv_heads, d]`` at ``slots [n]``; BF16 copies where ``hot_loc >= 0``.
 
@@ -43,7 +43,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
     _op("write", backend, k.device).write_kv(k, v, slots, store, rot, hot_loc)
 
 
-def decode_attention(q: torch.Tensor, store: LayerStore, rot: LayerRotation, req_to_token: torch.Tensor,
+def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float | None = None,
                      *, backend: str = "auto", **tuning) -> torch.Tensor:
     """Decode attention, ``q [batch, q_heads, d]`` -> ``[batch, q_heads, d]`` (``q.dtype``).
@@ -57,7 +57,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: LayerRotation, req
                                **(tuning if op.__name__.endswith("triton_kernel") else {}))
 
 
-def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: LayerRotation,
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, sm_scale: float | None = None,
                      extend_start_loc: torch.Tensor | None = None, *, backend: str = "auto",

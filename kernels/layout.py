@@ -1,7 +1,7 @@
 """The per-layer pool tensors the kernels read and write (the pool layout contract).
 
 A :class:`LayerStore` holds one layer's INT2 rows and its BF16 side pool; a
-:class:`LayerRotation` holds one layer's rotation state.  The SGLang pool owns
+:class:`DeviceRotation` holds one layer's rotation state.  The SGLang pool owns
 the tensors; these classes only name them (building one is free, no copies).
 
 INT2 rows (format of ``oscar_sglang.format``), per slot and KV head::
@@ -85,8 +85,9 @@ class LayerStore:
 
 
 @dataclass(frozen=True)
-class LayerRotation:
-    """One layer's rotations, key mean and clip ratios (per KV head)."""
+class DeviceRotation:
+    """One layer's rotations, key mean and clip ratios per KV head, as the kernels read them (float32,
+    contiguous, on the pool's device); built by the pool from the artifacts' ``artifacts.LayerRotation``."""
 
     k_rot: torch.Tensor
     v_rot: torch.Tensor
@@ -103,7 +104,7 @@ class LayerRotation:
         _expect("v_clip", self.v_clip, (h,), torch.float32)
 
 
-def require_contiguous(store: LayerStore, rot: LayerRotation) -> None:
+def require_contiguous(store: LayerStore, rot: DeviceRotation) -> None:
     """The Triton kernels index the pool and rotation tensors as dense arrays."""
     for obj in (store, rot):
         for name in obj.__dataclass_fields__:

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import LayerRotation, LayerStore
+from .layout import DeviceRotation, LayerStore
 
 
 def random_rotation(kv_heads: int, head_dim: int, seed: int = 0, identity: bool = False,
-                    device: torch.device | str = "cpu") -> LayerRotation:
+                    device: torch.device | str = "cpu") -> DeviceRotation:
     """Random orthogonal ``R_K``, ``R_V`` (or identities), a key mean and clip ratios in [0.85, 1]."""
     g = torch.Generator().manual_seed(seed)
     h, d = kv_heads, head_dim
@@ -31,7 +31,7 @@ def random_rotation(kv_heads: int, head_dim: int, seed: int = 0, identity: bool 
     k_clip = 0.85 + 0.15 * torch.rand(h, generator=g)
     v_clip = 0.85 + 0.15 * torch.rand(h, generator=g)
     k_clip[0] = 1.0  # one unclipped head
-    return LayerRotation(*(t.contiguous().to(device) for t in (k_rot, v_rot, mean, k_clip, v_clip)))
+    return DeviceRotation(*(t.contiguous().to(device) for t in (k_rot, v_rot, mean, k_clip, v_clip)))
 
 
 @dataclass

@@ -121,18 +121,32 @@ def rotate_kv(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None
     return torch.einsum("...hd,hde->...he", xf, rotation.to(work))
 
 
+def _grouped(x: torch.Tensor, rotation: torch.Tensor, transpose: bool) -> torch.Tensor:
+    """``x[..., q_heads, d] @ R[group(h)]`` (``R^T`` if ``transpose``) as one matmul per KV head group.
+
+    The query heads of a group are contiguous (``group_index``), so ``x`` is
+    viewed as ``[..., kv_heads, group, d]`` against ``R[kv_heads, d, d]``: no
+    ``[q_heads, d, d]`` gather.  float32 (float64 if ``x`` is float64).
+    """
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    *lead, hq, d = x.shape
+    kv = rotation.shape[0]
+    if kv <= 0 or hq % kv:
+        raise ValueError(f"{hq} query heads cannot be grouped over {kv} KV heads")
+    r = rotation.to(work)
+    if transpose:
+        r = r.transpose(-1, -2)
+    return torch.matmul(x.to(work).reshape(*lead, kv, hq // kv, d), r).reshape(*lead, hq, d)
+
+
 def rotate_queries(q: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Read-path query rotation ``q @ R_K[group(h)]`` for ``q[..., q_heads, d]``."""
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    r = rotation.to(work)[group_index(q.shape[-2], rotation.shape[0], q.device)]
-    return torch.einsum("...hd,hde->...he", q.to(work), r)
+    """Read-path query rotation ``q @ R_K[group(h)]`` for ``q[..., q_heads, d]`` (references and Triton glue)."""
+    return _grouped(q, rotation, transpose=False)
 
 
 def derotate_output(o: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Read-path output de-rotation ``o' @ R_V[group(h)]^T`` for ``o[..., q_heads, d]``."""
-    work = torch.float64 if o.dtype == torch.float64 else torch.float32
-    r = rotation.to(work)[group_index(o.shape[-2], rotation.shape[0], o.device)]
-    return torch.einsum("...he,hde->...hd", o.to(work), r)
+    return _grouped(o, rotation, transpose=True)
 
 
 def unrotate_kv(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None = None) -> torch.Tensor:

@@ -122,11 +122,17 @@ def test_choose_splits_fills_the_device_without_a_host_sync():
     assert 1 <= choose_splits(1, 1, cpu) <= MAX_SPLITS
 
 
-def test_grouped_rotation_glue_equals_the_rotation_module():
+def test_grouped_rotation_glue_equals_the_per_head_formula():
+    """The one query-rotation / output-de-rotation glue (references and Triton path) against ``q_h @ R[h // g]``."""
     from oscar_sglang import rotation
-    from oscar_sglang.kernels.common import rotate
 
     rot = scenario.random_rotation(KV, 64, 9)
-    q = torch.randn(3, KV * 3, 64)
-    assert torch.allclose(rotate.rotate_queries(q, rot.k_rot), rotation.rotate_queries(q, rot.k_rot), atol=1e-5)
-    assert torch.allclose(rotate.derotate_output(q, rot.v_rot), rotation.derotate_output(q, rot.v_rot), atol=1e-5)
+    q = torch.randn(3, KV * 3, 64, dtype=torch.float64)
+    g = rotation.group_index(KV * 3, KV)
+    per_head_k = torch.einsum("nhd,hde->nhe", q, rot.k_rot.double()[g])
+    per_head_v = torch.einsum("nhe,hde->nhd", q, rot.v_rot.double()[g])
+    assert torch.allclose(rotation.rotate_queries(q, rot.k_rot), per_head_k, atol=1e-12)
+    assert torch.allclose(rotation.derotate_output(q, rot.v_rot), per_head_v, atol=1e-12)
+    assert rotation.rotate_queries(q.float(), rot.k_rot).dtype == torch.float32
+    with pytest.raises(ValueError, match="cannot be grouped"):
+        rotation.rotate_queries(torch.randn(2, 5, 64), rot.k_rot)

@@ -35,7 +35,7 @@ def _store(d, g, hot_entries, seed, num_slots=96):
 def _rotation(d, seed, identity):
     """Random state with a key mean on a 1/8 grid, so that mean + 0.75 is exact in bf16."""
     r = scenario.random_rotation(KV, d, seed, identity, DEVICE)
-    return layout.LayerRotation(r.k_rot, r.v_rot, (r.k_mean * 8).round() / 8, r.k_clip, r.v_clip)
+    return layout.DeviceRotation(r.k_rot, r.v_rot, (r.k_mean * 8).round() / 8, r.k_clip, r.v_clip)
 
 
 def _inputs(n, d, rot, identity, seed):
@@ -141,7 +141,7 @@ def test_written_rows_dequantize_to_the_rotated_inputs():
     # End to end through the format: the INT2 error is bounded by half a step, hot rows by bf16 rounding.
     d, n = 128, 24
     rot = scenario.random_rotation(KV, d, 3, device=DEVICE)
-    rot = layout.LayerRotation(rot.k_rot, rot.v_rot, rot.k_mean, torch.ones(KV, device=DEVICE),
+    rot = layout.DeviceRotation(rot.k_rot, rot.v_rot, rot.k_mean, torch.ones(KV, device=DEVICE),
                                torch.ones(KV, device=DEVICE))
     k, v = scenario.random_kv(n, KV, d, 3, DEVICE)
     s = layout.empty_store(n, KV, d, 32, n, DEVICE)
@@ -161,7 +161,7 @@ def test_ties_round_half_to_even_like_the_format():
     d = 64
     eye = torch.eye(d, device=DEVICE).expand(KV, d, d).contiguous()
     ones = torch.ones(KV, device=DEVICE)
-    rot = layout.LayerRotation(eye, eye, torch.zeros(KV, d, device=DEVICE), ones, ones)
+    rot = layout.DeviceRotation(eye, eye, torch.zeros(KV, d, device=DEVICE), ones, ones)
     row = torch.tensor([0.0, 3.0, 0.5, 1.5, 2.5, 1.0, 2.0, 0.25] * (d // 8), device=DEVICE)
     k = row.expand(2, KV, d).bfloat16()
     ref, out = _store(d, d, 0, 9), _store(d, d, 0, 9)
@@ -181,6 +181,6 @@ def test_layout_checks_name_the_offending_tensor():
     with pytest.raises(ValueError, match="v_zero"):
         bad.check()
     rot = scenario.random_rotation(KV, 64)
-    strided = layout.LayerRotation(rot.k_rot.transpose(1, 2), rot.v_rot, rot.k_mean, rot.k_clip, rot.v_clip)
+    strided = layout.DeviceRotation(rot.k_rot.transpose(1, 2), rot.v_rot, rot.k_mean, rot.k_clip, rot.v_clip)
     with pytest.raises(ValueError, match="k_rot must be contiguous"):
         layout.require_contiguous(s, strided)

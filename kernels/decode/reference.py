@@ -7,10 +7,10 @@ import torch
 from oscar_sglang.rotation import derotate_output, rotate_queries
 
 from ..common.reference import expand_groups, read_rotated
-from ..layout import LayerRotation, LayerStore
+from ..layout import DeviceRotation, LayerStore
 
 
-def decode_attention(q: torch.Tensor, store: LayerStore, rot: LayerRotation, req_to_token: torch.Tensor,
+def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """One query token per request: ``q [batch, q_heads, d]`` -> output ``[batch, q_heads, d]`` in ``q.dtype``.
 

@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.rotate import derotate_output, rotate_queries
+from oscar_sglang.rotation import derotate_output, rotate_queries
+
 from ..common.triton_helpers import attend_stored_block, load_query_pieces, store_pieces
-from ..layout import LayerRotation, LayerStore, require_contiguous, triton_unsupported
+from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -105,7 +106,7 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def decode_attention(q: torch.Tensor, store: LayerStore, rot: LayerRotation, req_to_token: torch.Tensor,
+def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, max_seq_len: int | None = None,
                      block_n: int = 32, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from oscar_sglang.rotation import derotate_output, rotate_kv, rotate_queries
 
 from ..common.reference import read_rotated
-from ..layout import LayerRotation, LayerStore
+from ..layout import DeviceRotation, LayerStore
 
 
-def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: LayerRotation,
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, sm_scale: float,
                      extend_start_loc: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,12 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from oscar_sglang.rotation import rotate_kv
+from oscar_sglang.rotation import derotate_output, rotate_kv, rotate_queries
 
-from ..common.rotate import derotate_output, rotate_queries
 from ..common.triton_helpers import attend_block, attend_stored_block, load_query_pieces, store_pieces
 from ..decode.triton_kernel import DOT_PRECISION, LOG2E, MAX_SPLITS, _processors, merge_splits
-from ..layout import LayerRotation, LayerStore, require_contiguous, triton_unsupported
+from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
 
 @triton.jit
@@ -103,7 +102,7 @@ def choose_prefix_splits(new_token_blocks: int, batch: int, kv_heads: int, devic
     return max(1, min(MAX_SPLITS, s, triton.cdiv(max_prefix_len, 2 * block_n)))
 
 
-def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: LayerRotation,
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, sm_scale: float, extend_start_loc: torch.Tensor | None = None,
                      max_extend_len: int | None = None, max_prefix_len: int | None = None,

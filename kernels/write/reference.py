@@ -7,10 +7,10 @@ import torch
 from oscar_sglang import format as fmt
 from oscar_sglang.rotation import rotate_kv
 
-from ..layout import LayerRotation, LayerStore
+from ..layout import DeviceRotation, LayerStore
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: LayerRotation,
+def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: DeviceRotation,
              hot_loc: torch.Tensor | None = None) -> None:
     """Store new tokens ``k, v [n, kv_heads, d]`` at ``slots [n]`` (in place).
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..common.triton_helpers import bf16_rne, round_half_even
-from ..layout import LayerRotation, LayerStore, require_contiguous, triton_unsupported
+from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
 
 @triton.jit
@@ -134,7 +134,7 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
                     row, hot_row, tmask, hmask, HAS_HOT, D, G)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: LayerRotation,
+def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: DeviceRotation,
              hot_loc: torch.Tensor | None = None, block_t: int = 16, num_warps: int = 4) -> None:
     """Triton version of :func:`oscar_sglang.kernels.write.reference.write_kv` (same arguments)."""
     n = k.shape[0]

@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
 
 from oscar_sglang import format as fmt
 from oscar_sglang.kernels import api as kernels
-from oscar_sglang.kernels.layout import LayerRotation, LayerStore
+from oscar_sglang.kernels.layout import DeviceRotation, LayerStore
 
 from . import sizing
 from .hot import HotSet
@@ -80,9 +80,9 @@ class OscarInt2Pool(KVCache):
             for i in range(layers)
         ]
 
-    def _rotation(self, config: ServingConfig, layer_id: int) -> LayerRotation:
+    def _rotation(self, config: ServingConfig, layer_id: int) -> DeviceRotation:
         src = config.artifacts.layers[layer_id].to(self.device, torch.float32)
-        rot = LayerRotation(src.k_rotation.contiguous(), src.v_rotation.contiguous(), src.k_mean.contiguous(),
+        rot = DeviceRotation(src.k_rotation.contiguous(), src.v_rotation.contiguous(), src.k_mean.contiguous(),
                             src.k_clip.contiguous(), src.v_clip.contiguous())
         rot.check(self.head_num, self.head_dim)
         return rot
@@ -104,7 +104,7 @@ class OscarInt2Pool(KVCache):
     def hot_index(self) -> torch.Tensor:
         return self.hot.hot_index
 
-    def layer(self, layer_id: int) -> tuple[LayerStore, LayerRotation]:
+    def layer(self, layer_id: int) -> tuple[LayerStore, DeviceRotation]:
         """The store and rotation state of a model layer (global layer id)."""
         i = layer_id - self.start_layer
         return self.stores[i], self.rotations[i]

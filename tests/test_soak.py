@@ -1,0 +1,46 @@
+"""The soak's short form (``scripts/soak.py``) against the real oscar-int2 server on CPU.
+
+30 requests from 6 client threads: every kind of request (plain, streaming,
+OpenAI completions and streaming chat, a client that disconnects mid-stream,
+an ``/abort_request``), malformed requests mixed in, ``/flush_cache`` during
+the traffic; then zero 5xx, every accepted request finished or aborted as
+asked, the hot pool holding exactly one request's window after a flush, and
+the probes repeating their answers.  The long form's figures are in
+docs/RELIABILITY.md.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.server, pytest.mark.model]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import soak  # noqa: E402
+
+
+def test_short_soak_leaves_the_server_healthy_and_unchanged(tmp_path):
+    from transformers import AutoConfig
+
+    from oscar_sglang import artifacts, assets
+    from oscar_sglang.sglang.launcher import local_server
+
+    model = assets.default_model_dir()
+    rot = artifacts.save(artifacts.hadamard(artifacts.ModelFingerprint.from_config(AutoConfig.from_pretrained(model))),
+                         tmp_path / "rot")
+    log = tmp_path / "server.log"
+    flags = ["--kv-cache-dtype", "oscar-int2", "--oscar-rotations", str(rot), "--oscar-sink", "4", "--oscar-recent",
+             "16", "--context-length", "1024", "--max-total-tokens", "8192", "--decode-log-interval", "8"]
+    with local_server(model, log, *flags) as url:
+        report = soak.soak(url, log, requests=30, concurrency=6, max_prompt_tokens=200, max_minutes=15, seed=1,
+                           sink=4, recent=16, context_len=1024, progress=False)
+    soak.write_report(report, "tests/test_soak.py", tmp_path / "out")
+    print("\n" + (tmp_path / "out" / "RELIABILITY.md").read_text())
+    assert report["ran"] == 30 and report["skipped_for_time"] == 0
+    assert report["errors_5xx_or_dropped"] == 0, report["examples_5xx"]
+    assert report["unfinished"] == 0 and report["aborts_not_honoured"] == 0
+    assert report["bad_input_not_4xx"] == 0, report["bad_input"]
+    assert report["hot_pool_after"]["ok"], report["hot_pool_after"]
+    assert all(p["ok"] for p in report["probes"]), report["probes"]
+    assert report["ok"]
