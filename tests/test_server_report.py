@@ -1,0 +1,38 @@
+"""The server-level report's scoring (``oscar_sglang.calibration.server_report``) against direct formulas.
+
+The report itself needs two real servers (docs/SERVER_ACCURACY.md); here its
+pieces that turn SGLang's logprob lists into numbers: the coarse KL against a
+full-distribution KL, agreement at exact ties, the agreed-prefix counts.
+"""
+
+import math
+import random
+
+import torch
+
+from oscar_sglang.calibration import server_report as sr
+
+
+def test_coarse_kl_is_the_kl_over_top_k_plus_one_bucket_and_bounds_the_full_kl():
+    rng = random.Random(0)
+    for _ in range(50):
+        vocab, k = 40, rng.choice([1, 3, 8])
+        p = torch.softmax(torch.randn(vocab, dtype=torch.float64) * 2, 0)
+        q = torch.softmax(torch.log(p) + 0.3 * torch.randn(vocab, dtype=torch.float64), 0)
+        top = torch.topk(p, k).indices.tolist()
+        ref_row = {"top_ids": top, "top_logprobs": [math.log(p[i]) for i in top]}
+        got = sr.kl_coarse(ref_row, {i: math.log(q[i]) for i in range(vocab)})
+        rest = [i for i in range(vocab) if i not in top]
+        p_rest, q_rest = float(p[rest].sum()), float(q[rest].sum())
+        want = sum(float(p[i] * (math.log(p[i]) - math.log(q[i]))) for i in top) + p_rest * math.log(p_rest / q_rest)
+        full = float((p * (p.log() - q.log())).sum())
+        assert abs(got - max(want, 0.0)) < 1e-9
+        assert got <= full + 1e-9                      # merging tokens into a bucket never raises the KL
+
+
+def test_agreement_counts_ties_and_prefixes():
+    assert sr.agree({"logprob": -0.5, "top1_logprob": -0.5})
+    assert not sr.agree({"logprob": -0.6, "top1_logprob": -0.5})
+    s = sr.summarize_short([[1, 2, 3], [1, 9, 3], [7, 2, 3]], [[1, 2, 3]] * 3, 3)
+    assert s["agreed_prefix"] == [3, 1, 0] and s["all_agree"] == 1
+    assert s["same_position_tokens"] == 3 + 2 + 2 and s["total_tokens"] == 9
