@@ -20,18 +20,19 @@ from __future__ import annotations
 import torch
 
 from oscar_sglang import format as fmt
+from oscar_sglang import windows
 
 
 def decode_exact_mask(q_pos: torch.Tensor, k_len: int, sink: int, recent: int) -> torch.Tensor:
     """``[len(q_pos), k_len]`` bool: key read in BF16 by a decoding query at each position."""
     t = torch.arange(k_len, device=q_pos.device)
-    return (t < sink) | (t.unsqueeze(0) > q_pos.unsqueeze(1) - recent)
+    return windows.in_window(t.unsqueeze(0), q_pos.unsqueeze(1) + 1, sink, recent)   # length i + 1 at query i
 
 
 def serve_exact_mask(s_new: int, k_len: int, sink: int, recent: int, device=None) -> torch.Tensor:
     """``[s_new, k_len]`` bool for a chunk of ``s_new`` new tokens at the end of ``k_len`` keys."""
     t = torch.arange(k_len, device=device)
-    exact = (t < sink) | (t >= k_len - recent) | (t >= k_len - s_new)
+    exact = windows.in_window(t, k_len, sink, recent) | (t >= k_len - s_new)
     return exact.unsqueeze(0).expand(s_new, k_len)
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from oscar_sglang import windows
+
 from .layout import DeviceRotation, LayerStore
 
 
@@ -72,7 +74,7 @@ def paged_layout(lens: list[int], page_size: int, seed: int = 0, spare_pages: in
 def hot_positions(n: int, sink: int, recent: int) -> torch.Tensor:
     """Bool ``[n]``: the first ``sink`` and last ``recent`` positions of a sequence of ``n`` tokens."""
     pos = torch.arange(n)
-    return (pos < sink) | (pos >= n - recent)
+    return windows.in_window(pos, n, sink, recent)
 
 
 def assign_hot(store: LayerStore, paged: Paged, sink: int, recent: int) -> torch.Tensor:

@@ -74,6 +74,8 @@ from dataclasses import dataclass
 
 import torch
 
+from oscar_sglang import windows
+
 
 @dataclass(frozen=True)
 class WindowPlan:
@@ -369,8 +371,8 @@ class HotSet:
             return torch.full((0,), -1, dtype=torch.long, device=self.device)
         new_pos = new_pos.to(self.device)
         new_len = new_len.to(self.device)
-        is_sink = new_pos < self.sink
-        is_recent = new_pos >= torch.clamp(new_len - self.recent, min=self.sink)
+        is_sink = windows.in_sink(new_pos, self.sink)
+        is_recent = windows.in_recent(new_pos, new_len, self.sink, self.recent)
         sink_demand = recent_demand = n
         if batch_size is not None:
             sink_demand, recent_demand = min(n, batch_size * self.sink), min(n, batch_size * self.recent)

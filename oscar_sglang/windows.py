@@ -1,0 +1,32 @@
+"""The window rule, stated once: which positions of a sequence are read in BF16 (DESIGN.md invariant 2).
+
+A sequence of ``length`` tokens keeps its first ``sink`` positions (the *sink*
+window) and its last ``recent`` positions (the *recent* window) in BF16;
+every other position is read from INT2.  The two windows overlap when
+``length < sink + recent``; a position in both counts as a sink.
+
+Used by the serving bookkeeping (``oscar_sglang/sglang/hot.py``), the
+simulated cache of calibration and evaluation (``calibration/served.py``) and
+the kernels' synthetic pools (``kernels/scenario.py``).  Works on ints and on
+tensors (broadcasting); plain torch, no SGLang.
+"""
+
+from __future__ import annotations
+
+
+def in_sink(pos, sink: int):
+    """Position in the sink window: ``pos < sink``."""
+    return pos < sink
+
+
+def in_recent(pos, length, sink: int, recent: int):
+    """Position in the recent window and not a sink: ``pos >= max(sink, length - recent)``."""
+    start = length - recent
+    if isinstance(start, int):
+        return pos >= max(sink, start)
+    return pos >= start.clamp(min=sink)
+
+
+def in_window(pos, length, sink: int, recent: int):
+    """Position read in BF16 in a sequence of ``length`` tokens: ``pos < sink or pos >= length - recent``."""
+    return (pos < sink) | (pos >= length - recent)
