@@ -6,7 +6,11 @@ decodes, then decode steps): one through the plain-torch reference, one
 through the Triton kernels (compiled on CUDA, Triton's interpreter on CPU).
 Both must agree with each other and with an independent dense computation:
 softmax attention of the *unrotated* query over the stored rows mapped back
-to the model's space (``x' R^T + mu``), BF16 where hot and INT2 elsewhere.
+to the model's space (``x' R^T + mu``), BF16 where hot and INT2 elsewhere,
+for decode and for extend (where the new tokens attend causally over their
+own exact K/V); and after every pass every position in a live request's
+window (``oscar_sglang.windows``) must have its BF16 copy, so a window
+shifted by one fails.
 This is what proves the backend hands the kernels device tensors, lengths and
 tuning arguments they accept, on the path the server takes on a GPU.
 """
@@ -96,6 +100,36 @@ def _dense(backend, layer_id, q, rows, lens):
     return torch.stack(out)
 
 
+def _dense_extend(backend, layer_id, q, k, v, reqs):
+    """Independent reference for an extend pass: each new token attends over its request's cached prefix (stored
+    rows, unrotated) and, causally, over the new tokens' own K/V (exact, as the backend must use them)."""
+    store, rot = backend.pool.layer(layer_id)
+    out, start = [], 0
+    for row, n0, slots in reqs:
+        m = len(slots)
+        pk, pv = read_rotated(store, backend.req_to_token[row, :n0])
+        pk = unrotate_kv(pk, rot.k_rot, rot.k_mean).float()
+        pv = unrotate_kv(pv, rot.v_rot).float()
+        keys = torch.cat([pk, k[start:start + m].float()]).repeat_interleave(QH // KVH, dim=1)
+        vals = torch.cat([pv, v[start:start + m].float()]).repeat_interleave(QH // KVH, dim=1)
+        for j in range(m):
+            logits = torch.einsum("hd,thd->ht", q[start + j].float(), keys[:n0 + j + 1]) * D ** -0.5
+            out.append(torch.einsum("ht,thd->hd", logits.softmax(-1), vals[:n0 + j + 1]))
+        start += m
+    return torch.stack(out)
+
+
+def _windows_hot(backend, reqs):
+    """Every position in a live request's window (the one rule, oscar_sglang.windows) has a BF16 copy."""
+    from oscar_sglang import windows
+
+    for row, n0, slots in reqs:
+        n = n0 + len(slots)
+        hot = (backend.pool.hot_index[backend.req_to_token[row, :n].long()] >= 0).cpu()
+        want = windows.in_window(torch.arange(n), n, SINK, RECENT)
+        assert hot[want].all(), (row, n, hot.int().tolist())
+
+
 def _run(kernel_backend, seed=0):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -119,6 +153,7 @@ def _run(kernel_backend, seed=0):
         fb.extend_prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int32, device=DEVICE)
         fb.extend_seq_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int32, device=DEVICE)
         backend.init_forward_metadata(fb)
+        _windows_hot(backend, reqs)
         n = loc.numel()
         for layer_id in range(LAYERS):
             q = torch.randn(n, QH * D, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -129,6 +164,10 @@ def _run(kernel_backend, seed=0):
             outputs.append(o.cpu())
             if mode == "decode":
                 dense.append((o.cpu(), _dense(backend, layer_id, q.reshape(n, QH, D), rows, seq).cpu()))
+            else:
+                ref = _dense_extend(backend, layer_id, q.reshape(n, QH, D), k.reshape(n, KVH, D),
+                                    v.reshape(n, KVH, D), reqs)
+                dense.append((o.cpu(), ref.cpu()))
     return outputs, dense, backend
 
 
