@@ -280,7 +280,7 @@ def write_report(rows: list[dict], args, out: Path) -> None:
         "its column at large batch, ours touches `batch x (sink + recent)` window entries and a "
         "`topk` over the recent region. On a GPU the host cost is about the number of launches instead, "
         "flat in the batch for both: there ours is the larger (the `ops` columns); "
-        "`begin_pass` has fixed shapes and no syncs, so it can be captured in a CUDA graph later.",
+        "`begin_pass` has fixed shapes and no syncs; with decode CUDA graphs it is the part that runs eagerly before each replay (docs/SGLANG.md). Since 2026-12-01 it also puts the tokens leaving each window out of window (the pinning rule, docs/SGLANG.md): 69 ops per decode pass instead of 45.",
         "",
         "| batch | hot entries | ours new (us) | ours old (us) | SGLang triton (us) | new / triton "
         "| old / new | ops new | ops old | ops triton |",

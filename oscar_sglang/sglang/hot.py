@@ -53,7 +53,7 @@ The returned ``hot_loc`` (entry per new token or -1) is what the write path
 copies the rotated BF16 rows to, in every layer.
 
 **No host work per request, no device sync.**  :func:`window_plan` and
-:meth:`HotSet.update` are fixed sequences of tensor ops (about 55 per decode
+:meth:`HotSet.update` are fixed sequences of tensor ops (about 70 per decode
 pass, whatever the batch) whose shapes depend only on host numbers SGLang
 already has (batch size, number of new tokens) and on the settings: no
 ``nonzero``, no boolean-mask indexing, no ``.item()``.  Masked writes go to
