@@ -19,6 +19,9 @@ measured, as in serving.  Plain torch; no SGLang.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from oscar_sglang import format as fmt
@@ -112,3 +115,29 @@ def plot(rows: list[dict], path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_report(rows: list[dict], out: Path, title: str, command: str, date: str, meta: dict | None = None) -> None:
+    """``diagnostics.{json,md,png}`` in ``out``: the hardest (layer, head, K/V), the means, the heat maps."""
+    levers = list(rows[0]["error"])
+    best = levers[-1]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "diagnostics.json").write_text(json.dumps({"meta": {**(meta or {}), "title": title, "command": command,
+                                                               "date": date}, "rows": rows}, indent=1) + "\n")
+    lines = [f"# INT2 diagnostics per layer and KV head ({date})", "",
+             f"Command: `{command.strip()}`; {title}.", "",
+             "Mean share: energy in the per-head channel mean (what key centering removes); max/median "
+             "channel RMS and outlier channels (RMS > 4x the median): what a rotation spreads; errors: "
+             "INT2 round trip ||Q(x') - x'|| / ||x|| after each lever, cumulatively "
+             f"({', '.join(levers)}).", "",
+             f"The {min(12, len(rows))} hardest (layer, head, K/V) after `{best}`:", "",
+             worst_table(rows, best), ""]
+    for which, name in (("k", "keys"), ("v", "values")):
+        sel = [r for r in rows if r["tensor"] == which]
+        means = ", ".join(f"{x} {sum(r['error'][x] for r in sel) / len(sel):.3f}" for x in levers)
+        lines.append(f"Mean over {len(sel)} (layer, head) of the {name}: {means}; mean share "
+                     f"{sum(r['mean_share'] for r in sel) / len(sel):.2f}, max/median channel RMS "
+                     f"{sum(r['rms_spread'] for r in sel) / len(sel):.1f}.")
+    (out / "diagnostics.md").write_text("\n".join(lines) + "\n")
+    plot(rows, out / "diagnostics.png", title)

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from oscar_sglang import artifacts as art
 
-from . import data, evaluate, report
+from . import capture, data, diagnostics, evaluate, report
 from . import model as model_io
 from .calibrate import METHODS, CalibrationConfig, collect_statistics, fit
 from .optr import OptRConfig
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=_windows, default=[(art.DEFAULT_SINK, art.DEFAULT_RECENT), (4, 32)],
                    help="BF16 window settings SINK:RECENT,... for --cross-domain (default 64:256,4:32)")
     p.add_argument("--save-artifacts", type=Path, default=None, help="also write each method's rotations here")
+    p.add_argument("--no-diagnostics", action="store_true",
+                   help="skip diagnostics.{md,json,png} (per layer and KV head: what makes keys/values hard, "
+                        "the INT2 error after each calibrated method)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -210,7 +213,16 @@ def single(args, methods, argv) -> int:
     report.plot_layer_errors(results, args.out / "accuracy_layers.png", title)
     report.plot_niah(results, args.out / "accuracy_niah.png", "pass-key retrieval: " + title)
     print(table)
-    print(f"\nwrote {args.out}/accuracy.{{json,_table.md,_layers.png,_niah.png}} in {meta['total_seconds']} s")
+    written = "accuracy.{json,_table.md,_layers.png,_niah.png}"
+    if not args.no_diagnostics and fitted:
+        # per (layer, KV head) of the evaluation text: shape statistics and each method's INT2 round-trip error
+        rows = diagnostics.diagnose(capture.capture_kv(lm, err_seqs), fitted)
+        diagnostics.write_report(rows, args.out, f"{Path(meta['model']).name}: {err_seqs[0].numel()} tokens of "
+                                 f"{eval_name}, each method calibrated on {args.data}", meta["command"], meta["date"],
+                                 {"model": meta["model"], "calibration": meta["calibration"],
+                                  "evaluation": meta["evaluation"]})
+        written += ", diagnostics.{md,json,png}"
+    print(f"\nwrote {args.out}/{written} in {round(time.time() - t0, 1)} s")
     return 0
 
 

@@ -48,28 +48,10 @@ def plot(results, meta, path: Path) -> None:
 
 def write_diagnostics(rows, meta, out: Path) -> None:
     """Per (layer, KV head): what makes keys/values hard and the error after each lever."""
-    levers = list(rows[0]["error"])
-    best = levers[-1]
     title = (f"{Path(meta['model']).name}: {meta['eval_tokens']} tokens of {meta['eval_text']} "
              f"(key means from {meta['center_text']}), {meta['bits_per_element']} bits/elt")
-    (out / "diagnostics.json").write_text(json.dumps({"meta": {k: v for k, v in meta.items() if k != "key_statistics"},
-                                                      "rows": rows}, indent=1) + "\n")
-    lines = [f"# INT2 diagnostics per layer and KV head ({meta['date']})", "",
-             f"Command: `{meta['command'].strip()}`; {title}.", "",
-             "Mean share: energy in the per-head channel mean (what key centering removes); max/median "
-             "channel RMS and outlier channels (RMS > 4x the median): what a rotation spreads; errors: "
-             "INT2 round trip ||Q(x') - x'|| / ||x|| after each lever, cumulatively "
-             f"({', '.join(levers)}).", "",
-             f"The {min(12, len(rows))} hardest (layer, head, K/V) after `{best}`:", "",
-             diagnostics.worst_table(rows, best), ""]
-    for which, name in (("k", "keys"), ("v", "values")):
-        sel = [r for r in rows if r["tensor"] == which]
-        means = ", ".join(f"{x} {sum(r['error'][x] for r in sel) / len(sel):.3f}" for x in levers)
-        lines.append(f"Mean over {len(sel)} (layer, head) of the {name}: {means}; mean share "
-                     f"{sum(r['mean_share'] for r in sel) / len(sel):.2f}, max/median channel RMS "
-                     f"{sum(r['rms_spread'] for r in sel) / len(sel):.1f}.")
-    (out / "diagnostics.md").write_text("\n".join(lines) + "\n")
-    diagnostics.plot(rows, out / "diagnostics.png", title)
+    diagnostics.write_report(rows, out, title, meta["command"], meta["date"],
+                             {k: v for k, v in meta.items() if k != "key_statistics"})
 
 
 def main(argv=None) -> int:

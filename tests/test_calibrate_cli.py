@@ -77,3 +77,23 @@ def test_cross_domain_table_is_written(tmp_path, capsys):
             assert set(r["ppl"][e]) == {"8:32", "4:16"} and r["ppl"][e]["8:32"]["ppl_tail"] > 1
     md = (tmp_path / "accuracy_cross_domain.md").read_text()
     assert "oscar-eval --cross-domain" in md and "| hadamard-center | code |" in md
+
+
+def test_eval_writes_accuracy_and_diagnostics(tmp_path, capsys):
+    """Single mode, small: the accuracy table and the per-(layer, head) diagnostics of each calibrated method."""
+    rc = eval_cli.main(["--methods", "bf16,identity,hadamard,hadamard-center", "--data", "code", "--eval-data",
+                        "docs-eval", "--tokens", "1024", "--seq-len", "512", "--sink", "8", "--recent", "32",
+                        "--ppl-contexts", "512", "--ppl-seqs", "1", "--niah-lengths", "256", "--niah-depths", "0.5",
+                        "--niah-trials", "1", "--out", str(tmp_path), "--quiet", "--dtype", "float32"])
+    assert rc == 0
+    diag = json.loads((tmp_path / "diagnostics.json").read_text())
+    rows = diag["rows"]
+    assert len(rows) == 30 * 3 * 2                                   # layers x KV heads x (K, V)
+    assert set(rows[0]["error"]) == {"identity", "hadamard", "hadamard-center"}
+    keys = [r for r in rows if r["tensor"] == "k"]
+    mean = {m: sum(r["error"][m] for r in keys) / len(keys) for m in rows[0]["error"]}
+    assert mean["hadamard-center"] < mean["hadamard"] < mean["identity"]   # each lever helps the keys on average
+    assert all(0 <= r["mean_share"] <= 1 for r in rows)
+    md = (tmp_path / "diagnostics.md").read_text()
+    assert "hardest (layer, head, K/V)" in md and (tmp_path / "diagnostics.png").stat().st_size > 0
+    assert "diagnostics.{md,json,png}" in capsys.readouterr().out
