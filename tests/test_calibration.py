@@ -10,19 +10,12 @@ from oscar_sglang.calibration import calibrate as cal
 from oscar_sglang.calibration import capture, fit, optr, served, simulate
 from oscar_sglang.calibration.stats import StatsCollector
 
-Q_HEADS, KV_HEADS, D = 4, 2, 16
+from tiny_llama import D, KV_HEADS, Q_HEADS, tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=Q_HEADS * D, intermediate_size=96, num_attention_heads=Q_HEADS,
-                      num_key_value_heads=KV_HEADS, num_hidden_layers=2, vocab_size=97,
-                      max_position_embeddings=256, rope_theta=1000.0, attn_implementation="sdpa",
-                      architectures=["LlamaForCausalLM"])
-    model = LlamaForCausalLM(cfg).double().eval()
+    model = tiny_llama().double()
     # Give keys a constant offset (as real RoPE keys have) so centering has something to remove.
     with torch.no_grad():
         for layer in model.model.layers:

@@ -11,7 +11,7 @@ from oscar_sglang.calibration import calibrate as cal
 from oscar_sglang.calibration import cli, data, eval_cli, optr
 from oscar_sglang.calibration.stats import LayerSample, StatsCollector
 
-Q_HEADS, KV_HEADS, D = 4, 2, 16
+from tiny_llama import D, KV_HEADS, Q_HEADS, tiny_llama  # noqa: E402
 
 
 class CharTokenizer:
@@ -146,14 +146,7 @@ def test_one_domain_is_held_out_by_halves_and_a_mix_by_domain():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=Q_HEADS * D, intermediate_size=96, num_attention_heads=Q_HEADS,
-                      num_key_value_heads=KV_HEADS, num_hidden_layers=2, vocab_size=97,
-                      max_position_embeddings=256, rope_theta=1000.0, attn_implementation="sdpa",
-                      architectures=["LlamaForCausalLM"])
-    return LlamaForCausalLM(cfg).float().eval()
+    return tiny_llama()
 
 
 def _ids(n, length, seed):
