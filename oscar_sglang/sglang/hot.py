@@ -230,7 +230,7 @@ class HotSet:
         ``rows``: the number of rows of SGLang's ``req_to_token`` (allocated
         once, before serving: the per-pass path then only writes into it).
         """
-        self._req_len = torch.zeros(rows + 1, dtype=torch.long, device=self.device)   # + the trash row
+        self._req_len = torch.zeros(rows, dtype=torch.long, device=self.device)
 
     def end_requests(self, rows, req_to_token: torch.Tensor) -> None:
         """Requests in ``rows`` (``req_to_token`` rows being freed) ended: their window entries go out of window.
