@@ -38,7 +38,6 @@ import datetime
 import http.client
 import json
 import random
-import re
 import sys
 import tempfile
 import threading
@@ -47,6 +46,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlparse
+
+from oscar_sglang.sglang.metrics import log_lines  # the hot pool's log line, parsed
 
 ROOT = Path(__file__).resolve().parents[1]
 NOISE = 0.4
@@ -257,14 +258,6 @@ def flush(url: str, attempts: int = 120) -> bool:
     return False
 
 
-HOT_LINE = re.compile(r"oscar-int2 hot pool: (\d+)/(\d+) entries in window, (\d+) out of window; "
-                      r"in-window evictions (\d+), denied window tokens (\d+)")
-
-
-def hot_lines(log: Path) -> list[tuple[int, ...]]:
-    return [tuple(map(int, m.groups())) for m in HOT_LINE.finditer(log.read_text(errors="replace"))]
-
-
 # ---------------------------------------------------------------------------
 # The soak
 
@@ -321,9 +314,9 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
 
     # after: flush, one probe alone with the hot pool's line; the probes again
     flushed = flush(url)
-    n_lines = len(hot_lines(log))
+    n_lines = len(log_lines(log))
     idle_probe = probe(url, probes[0])
-    after_lines = hot_lines(log)[n_lines:]
+    after_lines = log_lines(log)[n_lines:]
     after = []
     for p in probes:
         flush(url)
@@ -340,7 +333,7 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
     bad_wrong = [r for r in bad if not (400 <= r["status"] < 500 or r["status"] == 200)]
     probe_cmp = [same_up_to_noise(b, a) for b, a in zip(before, after)]
     window = sink + recent
-    idle_ok = bool(after_lines) and after_lines[-1][0] == window
+    idle_ok = bool(after_lines) and after_lines[-1]["in_window"] == window
     report = {
         "date": datetime.date.today().isoformat(), "requests": len(plan), "ran": len(ran),
         "skipped_for_time": len(results) - len(ran), "concurrency": concurrency,
@@ -351,7 +344,7 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
         "bad_input": {r["kind"]: [r["status"], r["message"][:160]] for r in bad},
         "bad_input_not_4xx": len(bad_wrong), "flush_cache_during_traffic": {str(k): v for k, v in flushes.items()},
         "flushed_after": flushed, "alive_after": alive,
-        "hot_pool_after": {"lines": [list(x) for x in after_lines[-2:]], "window": window, "ok": idle_ok},
+        "hot_pool_after": {"lines": after_lines[-2:], "window": window, "ok": idle_ok},
         "probes": [{"equal_leading": n, "largest_move": round(m, 4), "ok": ok} for ok, n, m in probe_cmp],
         "examples_5xx": five[:5],
     }
@@ -377,7 +370,7 @@ def write_report(report: dict, command: str, out: Path) -> None:
         f"| aborts not honoured | **{report['aborts_not_honoured']}** |",
         f"| malformed requests answered other than 4xx/200 | **{report['bad_input_not_4xx']}** |",
         f"| hot pool after the traffic + a flush, one request running | "
-        f"{hot['lines'][-1][0] if hot['lines'] else '?'} entries in window (its own window: {hot['window']}) |",
+        f"{hot['lines'][-1]['in_window'] if hot['lines'] else '?'} entries in window (its own window: {hot['window']}) |",
         f"| probes repeated after the traffic (alone, after a flush) | "
         f"{sum(p['ok'] for p in report['probes'])}/{len(report['probes'])} "
         f"(largest log-prob move {max((p['largest_move'] for p in report['probes']), default=0)}) |",

@@ -230,6 +230,25 @@ def test_bf16_read_share_counts_hot_slots_of_each_request():
     assert f"{3 * (S + W)}/{srv.hs.entries} entries in window" in log_line(s)
 
 
+def test_the_log_line_parses_back(tmp_path):
+    from oscar_sglang.sglang.metrics import log_line, log_lines, snapshot
+
+    srv = Server(hot_requests=2)
+    rows = _running(srv, 3)
+    pool = type("PoolView", (), {"hot": srv.hs, "hot_index": srv.hs.hot_index})()
+    batch = type("Batch", (), {"req_pool_indices": torch.tensor(rows),
+                               "seq_lens": torch.tensor([srv.len[r] for r in rows])})()
+    s = snapshot(pool, batch, srv.req_to_token)
+    log = tmp_path / "server.log"
+    log.write_text(f"[t] Decode batch\n[t] {log_line(s)}\nother\n[t] {log_line(s)}\n")
+    got = log_lines(log)
+    assert len(got) == 2 and got[0] == got[1]
+    assert got[0] == {"in_window": s["oscar_hot_in_window_entries"], "entries": s["oscar_hot_entries"],
+                      "out_of_window": s["oscar_hot_out_of_window_entries"],
+                      "in_window_evictions": s["oscar_hot_in_window_evictions"], "denied": s["oscar_hot_denied_tokens"],
+                      "bf16_reads": s["reads"][0], "reads": s["reads"][1]}
+
+
 def test_prometheus_series_follow_the_counters():
     import pytest
 

@@ -513,10 +513,6 @@ def _metrics(url) -> dict[str, float]:
     return out
 
 
-def _hot_lines(log) -> list[str]:
-    return [x.split("oscar-int2 hot pool:", 1)[1] for x in log.read_text().splitlines() if "oscar-int2 hot pool:" in x]
-
-
 def test_hot_pool_is_back_to_one_window_after_the_traffic(int2_url):
     """After every earlier request (16 concurrent among them) and a flush, one request holds exactly its window.
 
@@ -525,25 +521,22 @@ def test_hot_pool_is_back_to_one_window_after_the_traffic(int2_url):
     entries would show as more than one window in window.  Read from the hot
     pool's log line and the Prometheus series at the decode log interval.
     """
-    import re
+    from oscar_sglang.sglang.metrics import log_lines
 
     url, log = int2_url
     flush_cache(url)
-    before = len(_hot_lines(log))
+    before = len(log_lines(log))
     answer = _generate(url, CONCURRENT[0], n=3 * LOG_INTERVAL)
     assert answer["completion_tokens"] == 3 * LOG_INTERVAL
-    lines = _hot_lines(log)[before:]
+    lines = log_lines(log)[before:]
     assert lines, "no hot pool line at the decode log interval"
-    m = re.match(r" (\d+)/(\d+) entries in window, (\d+) out of window; in-window evictions (\d+), "
-                 r"denied window tokens (\d+); BF16 reads (\d+)/(\d+)", lines[-1])
-    assert m, lines[-1]
-    in_window, entries, out_of_window, evictions, denied, hot_reads, reads = map(int, m.groups())
-    assert in_window == SINK + RECENT                          # this request's window, nothing left over
-    assert evictions == 0 and denied == 0                      # the pool held every window all along
-    assert reads >= answer["prompt_tokens"] and SINK + RECENT <= hot_reads <= reads
+    last = lines[-1]
+    assert last["in_window"] == SINK + RECENT                  # this request's window, nothing left over
+    assert last["in_window_evictions"] == 0 and last["denied"] == 0   # the pool held every window all along
+    assert last["reads"] >= answer["prompt_tokens"] and SINK + RECENT <= last["bf16_reads"] <= last["reads"]
     series = _metrics(url)
     assert series["sglang:oscar_hot_in_window_entries"] == SINK + RECENT
-    assert series["sglang:oscar_hot_entries"] == entries
+    assert series["sglang:oscar_hot_entries"] == last["entries"]
     assert series["sglang:oscar_hot_in_window_evictions_total"] == 0
     assert 0 < series["sglang:oscar_bf16_read_share"] <= 1
-    print(f"\nhot pool after the traffic: {lines[-1].strip()}")
+    print(f"\nhot pool after the traffic: {last}")

@@ -27,6 +27,8 @@ Counters are ``_total`` in Prometheus' text format.  Plain torch apart from the 
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import torch
 
@@ -129,6 +131,17 @@ def log_line(s: dict) -> str:
             f"{s['oscar_hot_out_of_window_entries']} out of window; in-window evictions "
             f"{s['oscar_hot_in_window_evictions']}, denied window tokens {s['oscar_hot_denied_tokens']}; "
             f"BF16 reads {hot}/{total} ({100 * s['oscar_bf16_read_share']:.1f} %) in this decode batch")
+
+
+_LOG_LINE = re.compile(r"oscar-int2 hot pool: (\d+)/(\d+) entries in window, (\d+) out of window; in-window "
+                       r"evictions (\d+), denied window tokens (\d+); BF16 reads (\d+)/(\d+)")
+LOG_FIELDS = ("in_window", "entries", "out_of_window", "in_window_evictions", "denied", "bf16_reads", "reads")
+
+
+def log_lines(log_path) -> list[dict[str, int]]:
+    """Every hot-pool line (:func:`log_line`) in a server log, parsed: ``{field: int}`` per ``LOG_FIELDS``."""
+    text = Path(log_path).read_text(errors="replace")
+    return [dict(zip(LOG_FIELDS, map(int, m.groups()))) for m in _LOG_LINE.finditer(text)]
 
 
 def report_decode_stats(result, reporter, *args, **kwargs):
