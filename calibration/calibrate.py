@@ -32,11 +32,11 @@ import torch
 from tqdm.auto import tqdm
 
 from oscar_sglang import artifacts as art
-from oscar_sglang import format as fmt
 from oscar_sglang import rotation as rot
 
 from . import capture
-from .fit import CLIP_GRID, RotatedSample, oscar_rotations, query_positions
+from .fit import (CLIP_GRID, RotatedSample, clip_curves, fold_scores, oscar_rotations, query_positions,
+                  relative_by_group)
 from .optr import OptRConfig, refine_layer
 from .stats import LayerStats, StatsCollector
 
@@ -72,10 +72,14 @@ class CalibrationConfig:
     decision_queries: int = 64  # query positions per sequence for the held-out checks
     optr: OptRConfig = field(default_factory=OptRConfig)
     seed: int = 0
+    # Precision policy (policy.py): average stored bits per K/V element; None: every layer INT2 (no policy).
+    bits: float | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.bits is not None and not 0 < self.bits <= 16:
+            raise ValueError(f"--bits must be an average of stored bits per element in (0, 16], got {self.bits}")
 
 
 def attention_modules(model) -> list:
@@ -172,51 +176,43 @@ def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | Non
               progress: bool = True) -> tuple[art.RotationArtifacts, list[dict]]:
     """Run the whole pipeline; returns the artifact and a per-layer report."""
     t0 = time.time()
-    if cfg.method in DATA_FREE:
+    if cfg.method in DATA_FREE and cfg.bits is None:
         return fit(model, None, cfg, _summary(sequences, cfg, data_summary), progress)
     torch.manual_seed(cfg.seed)
     stats = collect_statistics(model, sequences, cfg, progress)
     summary = _summary(sequences, cfg, data_summary)
     summary["seconds"] = {"statistics": round(time.time() - t0, 1)}
-    a, report = fit(model, stats, cfg, summary, progress)
+    a, report = fit(model, None if cfg.method in DATA_FREE else stats, cfg, summary, progress)
+    if cfg.method in DATA_FREE:
+        a.calibration = {**summary, "note": "data-free rotations; the precision policy measured on this text"}
+    a.calibration.setdefault("seconds", {})
+    if cfg.bits is not None:
+        t1 = time.time()
+        a = apply_policy(model, stats, a, cfg, progress)
+        a.calibration["seconds"]["policy"] = round(time.time() - t1, 1)
     a.calibration["seconds"]["total"] = round(time.time() - t0, 1)
     return a, report
 
 
+def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifacts, cfg: CalibrationConfig,
+                 progress: bool = True) -> art.RotationArtifacts:
+    """Measure every row-format option per (layer, K/V) and store the best mix under ``cfg.bits`` (policy.py)."""
+    from . import policy
+
+    mods = attention_modules(model)
+    hd = artifact.model.head_dim
+    costs = policy.measure([st.samples for st in stats.layers], stats.sample_groups(), stats.names, artifact,
+                           [m.o_proj.weight.detach().cpu() for m in mods],
+                           [float(getattr(m, "scaling", hd ** -0.5)) for m in mods],
+                           n_queries=cfg.decision_queries, seed=cfg.seed, progress=progress)
+    choice = policy.choose(costs, cfg.bits)
+    check = policy.heldout_check(costs, cfg.bits)
+    out = policy.apply(artifact, costs, choice)
+    out.calibration = {**artifact.calibration, "policy": policy.report(costs, choice, cfg.bits, check)}
+    return out
+
+
 # --- error curves and the held-out acceptance -------------------------------------------------------
-
-def _curves(rotated: list[RotatedSample], group: int, which: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Squared error per kept sequence and clip level ``[S, len(CLIP_GRID), kv_heads]`` and energy ``[S, kv_heads]``."""
-    errs, energy = [], []
-    for s in rotated:
-        x = s.kr if which == "k" else s.vr
-        measure = s.key_error if which == "k" else s.value_error
-        clip = torch.empty(x.shape[0], 1, 1)
-        row = []
-        for c in CLIP_GRID:
-            row.append(measure(fmt.fake_quantize(x, group, clip.fill_(float(c)))).double())
-        errs.append(torch.stack(row))
-        energy.append((s.key_energy() if which == "k" else s.value_energy()).double())
-    return torch.stack(errs), torch.stack(energy)
-
-
-def _rel(err: torch.Tensor, energy: torch.Tensor, sample_groups: torch.Tensor, groups) -> torch.Tensor:
-    """Relative squared error ``[n_clips, kv_heads]`` summed over ``groups``, each group weighing equally."""
-    total = torch.zeros(err.shape[1:], dtype=torch.float64)
-    for g in groups:
-        m = sample_groups == g
-        total += err[m].sum(0) / energy[m].sum(0).clamp_min(1e-30)
-    return total
-
-
-def _fold_scores(err, energy, sample_groups, n_groups: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip chosen on the groups other than ``f``; ``f``'s relative error at that clip and at no clip."""
-    rest = [g for g in range(n_groups) if g != f]
-    chosen = _rel(err, energy, sample_groups, rest).argmin(0)
-    held = _rel(err, energy, sample_groups, [f])
-    heads = torch.arange(held.shape[1])
-    return held[chosen, heads], held[0]  # CLIP_GRID[0] == 1.0: no clip
-
 
 def _rotated(samples, r_k, r_v, k_mean, cfg, scale, positions) -> list[RotatedSample]:
     return [RotatedSample(s, r_k.float(), r_v.float(), k_mean.float(), cfg.sink, cfg.recent, scale, pos)
@@ -246,10 +242,10 @@ def _heldout_decisions(groups: list[LayerStats], samples, sample_groups, cfg, gr
             for w in "kv":
                 key = (c, w)
                 if c == "hadamard" and (w == "v" or not centered):  # no fold-dependent mean: same every fold
-                    curves = cache.get(key) or cache.setdefault(key, _curves(rotated, group_size, w))
+                    curves = cache.get(key) or cache.setdefault(key, clip_curves(rotated, group_size, w))
                 else:
-                    curves = _curves(rotated, group_size, w)
-                at_clip, no_clip = _fold_scores(*curves, sample_groups, n_groups, f)
+                    curves = clip_curves(rotated, group_size, w)
+                at_clip, no_clip = fold_scores(*curves, sample_groups, n_groups, f)
                 held[(w, c, "clip")] += at_clip
                 held[(w, c, "noclip")] += no_clip
     out = {}
@@ -277,8 +273,8 @@ def _final_clips(samples, sample_groups, n_groups, r_k, r_v, k_mean, cfg, group_
     heads = torch.arange(r_k.shape[0])
     out = {}
     for w in "kv":
-        err, energy = _curves(rotated, group_size, w)
-        best = _rel(err, energy, sample_groups, range(n_groups)).argmin(0)
+        err, energy = clip_curves(rotated, group_size, w)
+        best = relative_by_group(err, energy, sample_groups, range(n_groups)).argmin(0)
         best = torch.where(keep[w], best, torch.zeros_like(best))
         tot_err, tot_energy = err.sum(0), energy.sum(0).clamp_min(1e-30)
         out[f"{w}_clip"] = grid[best]

@@ -28,8 +28,22 @@ from oscar_sglang import artifacts as art
 from . import data
 from . import model as model_io
 from .calibrate import METHODS, CalibrationConfig, calibrate, summary_table
+from .policy import DEFAULT_BITS
+from .policy import summary_table as policy_table
 from .fit import query_positions
 from .optr import OptRConfig
+
+
+def _bits(text: str) -> float | None:
+    if text.lower() in ("int2", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bits per element or 'int2', got {text!r}") from None
+    if not 0 < value <= 16:
+        raise argparse.ArgumentTypeError(f"bits per element must lie in (0, 16], got {value:g}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sink", type=int, default=art.DEFAULT_SINK, help="BF16 sink tokens served (default 64)")
     p.add_argument("--recent", type=int, default=art.DEFAULT_RECENT, help="BF16 recent tokens served (default 256)")
     p.add_argument("--group", type=int, default=None, help="quantization group size (default: head_dim)")
+    p.add_argument("--bits", type=_bits, default=DEFAULT_BITS,
+                   help="precision policy: average stored bits per K/V element over all layers (scale and zero "
+                        f"included); per layer and K/V the best of INT2 / INT2 with smaller groups / INT4 / INT8 "
+                        f"(default {DEFAULT_BITS}: capacity >= 5.5x BF16); 'int2': INT2 rows everywhere")
     p.add_argument("--value-weighting", choices=("exact", "proxy"), default="exact",
                    help="C_S from exact attention probabilities or the k C_Q k proxy")
     p.add_argument("--keep-sequences", type=int, default=4, help="sequences used by clip search and OptR")
@@ -78,7 +96,7 @@ def main(argv=None) -> int:
         seqs = data.sequences_from_texts(tok, texts, args.seq_len, args.tokens)
         cfg = CalibrationConfig(
             method=args.method, sink=args.sink, recent=args.recent, group_size=args.group,
-            value_weighting=args.value_weighting, keep_sequences=args.keep_sequences, seed=args.seed,
+            value_weighting=args.value_weighting, keep_sequences=args.keep_sequences, seed=args.seed, bits=args.bits,
             optr=OptRConfig(steps=args.optr_steps, lr=args.optr_lr, output_weight=args.optr_lambda),
         )
         data_summary = {"spec": args.data, "texts": list(texts), "model": str(path)}
@@ -94,8 +112,10 @@ def main(argv=None) -> int:
         print(f"oscar-calibrate: error: {e}", file=sys.stderr)
         return 2
     print(summary_table(report))
+    if "policy" in artifact.calibration:
+        print(policy_table(artifact.calibration["policy"]))
     print(f"\nwrote {args.out} ({artifact.method}, {artifact.calibration['tokens']} tokens from {args.data}, "
-          f"{len(artifact.layers)} layers) in {time.time() - t0:.0f} s, peak RSS {peak_mb:.0f} MB"
+          f"{len(artifact.layers)} layers; {artifact.bits_per_element:.3f} bits/element: {artifact.policy_summary()}) in {time.time() - t0:.0f} s, peak RSS {peak_mb:.0f} MB"
           + (f", peak GPU memory {gpu_mb:.0f} MB" if gpu_mb is not None else ""))
     return 0
 

@@ -13,6 +13,11 @@ through the simulated INT2 cache:
 * needle-in-a-haystack pass-key retrieval, greedy generation with prefill
   exact and decode reading the cache (``--niah-lengths`` x ``--niah-depths``).
 
+``--policy-bits 2.75,3`` adds, for each budget ``B``, the precision policy
+(``oscar-calibrate --bits B``) on top of ``--policy-base`` (default optr) as a
+method named ``BASE@B``: per layer and K/V the row formats chosen on the
+calibration text, evaluated like every other method.
+
 Writes ``accuracy.json``, ``accuracy_table.md``, ``accuracy_layers.png``,
 ``accuracy_niah.png`` into ``--out`` and prints the table.
 
@@ -40,7 +45,7 @@ from oscar_sglang import artifacts as art
 
 from . import capture, data, diagnostics, evaluate, report
 from . import model as model_io
-from .calibrate import METHODS, CalibrationConfig, collect_statistics, fit
+from .calibrate import METHODS, CalibrationConfig, apply_policy, collect_statistics, fit
 from .optr import OptRConfig
 
 EVAL_METHODS = ("bf16",) + METHODS
@@ -94,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluation texts for --cross-domain (default: DOMAIN-eval of every domain)")
     p.add_argument("--windows", type=_windows, default=[(art.DEFAULT_SINK, art.DEFAULT_RECENT), (4, 32)],
                    help="BF16 window settings SINK:RECENT,... for --cross-domain (default 64:256,4:32)")
+    p.add_argument("--policy-bits", type=_floats, default=[],
+                   help="precision-policy budgets (average bits per element) to evaluate, e.g. 2.75,3")
+    p.add_argument("--policy-base", default="optr", choices=METHODS[1:],
+                   help="calibrated method the policy starts from (default optr)")
     p.add_argument("--save-artifacts", type=Path, default=None, help="also write each method's rotations here")
     p.add_argument("--no-diagnostics", action="store_true",
                    help="skip diagnostics.{md,json,png} (per layer and KV head: what makes keys/values hard, "
@@ -156,11 +165,13 @@ def single(args, methods, argv) -> int:
     fitted: dict[str, art.RotationArtifacts] = {}
     timings: dict[str, float] = {}
     calib_methods = [m for m in methods if m != "bf16"]
+    if args.policy_bits and args.policy_base not in calib_methods:
+        calib_methods.append(args.policy_base)
     stats = None
     cal_seqs = data.sequences_from_texts(tok, cal_texts, args.seq_len, args.tokens)
     summary = {"data": {"spec": args.data, "texts": list(cal_texts)}, "tokens": sum(s.numel() for s in cal_seqs),
                "seed": args.seed}
-    if any(m not in ("identity", "hadamard") for m in calib_methods):
+    if args.policy_bits or any(m not in ("identity", "hadamard") for m in calib_methods):
         t = time.time()
         stats = collect_statistics(lm, cal_seqs, cfg, progress)
         timings["statistics"] = round(time.time() - t, 1)
@@ -171,6 +182,16 @@ def single(args, methods, argv) -> int:
         timings[m] = round(time.time() - t, 1)
         if args.save_artifacts:
             art.save(fitted[m], args.save_artifacts / m)
+    for b in args.policy_bits:
+        t = time.time()
+        name = f"{args.policy_base}@{b:g}"
+        cfg.bits = b
+        fitted[name] = apply_policy(lm, stats, fitted[args.policy_base], cfg, progress)
+        timings[name] = round(time.time() - t, 1)
+        methods.append(name)
+        if args.save_artifacts:
+            art.save(fitted[name], args.save_artifacts / name)
+    cfg.bits = None
     del stats
 
     eval_name = next(iter(eval_texts))
@@ -192,6 +213,8 @@ def single(args, methods, argv) -> int:
             r["clips"] = {"k_mean": float(torch.stack([l.k_clip for l in a.layers]).mean()),
                           "v_mean": float(torch.stack([l.v_clip for l in a.layers]).mean())}
             r.update(_decisions(a))
+            r["bits_per_element"] = round(a.bits_per_element, 4)
+            r["formats"] = a.policy_summary()
         results[m] = r
 
     meta = {

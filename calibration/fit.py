@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from oscar_sglang import format as fmt
 from oscar_sglang import rotation as rot
 
 from . import served
@@ -72,6 +73,30 @@ class RotatedSample:
         e = torch.einsum("hst,htd->hsd", self.probs * self.int2, dv).square()
         return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
 
+    def output_error(self, kq: torch.Tensor | None, vq: torch.Tensor | None, v_rot: torch.Tensor,
+                     w_o: torch.Tensor, scale: float) -> tuple[float, float]:
+        """Squared error and energy of the attention output after ``W_O`` over the sampled decode queries.
+
+        Keys read ``kq`` and values ``vq`` (rotated rows; None: exact) where
+        serving reads INT2, the exact rows in the windows; the output is
+        de-rotated (``o = o' R_V^T``) and projected by ``w_o [hidden, q_heads * d]``,
+        so errors of keys and values, and of different layers, share one unit:
+        the error the next layer receives.
+        """
+        exp = lambda x: x.repeat_interleave(self.rep, 0)  # noqa: E731
+        kr, vr = exp(self.kr), exp(self.vr)
+        kq = kr if kq is None else exp(kq)
+        vq = vr if vq is None else exp(vq)
+        ref = torch.einsum("hst,htd->hsd", self.probs, vr)
+        out = served.mixed_attention(self.qr, kr, kq, vr, vq, self.exact, self.allowed, scale)
+        h, s, d = ref.shape
+
+        def project(o):
+            return rot.derotate_output(o.transpose(0, 1), v_rot).reshape(s, h * d) @ w_o.T
+
+        base = project(ref)
+        return float((project(out) - base).double().square().sum()), float(base.double().square().sum())
+
     def key_energy(self) -> torch.Tensor:
         e = torch.einsum("hsd,htd->hst", self.qr, self.kr.repeat_interleave(self.rep, 0)).square() * self.int2
         return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
@@ -79,6 +104,41 @@ class RotatedSample:
     def value_energy(self) -> torch.Tensor:
         e = torch.einsum("hst,htd->hsd", self.probs * self.int2, self.vr.repeat_interleave(self.rep, 0)).square()
         return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
+
+
+# --- error curves over the clip grid, per held-out group -----------------------------------------
+
+def clip_curves(rotated: list[RotatedSample], group: int, which: str, bits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Squared error per kept sequence and clip level ``[S, len(CLIP_GRID), kv_heads]`` and energy ``[S, kv_heads]``."""
+    errs, energy = [], []
+    for s in rotated:
+        x = s.kr if which == "k" else s.vr
+        measure = s.key_error if which == "k" else s.value_error
+        clip = torch.empty(x.shape[0], 1, 1)
+        row = []
+        for c in CLIP_GRID:
+            row.append(measure(fmt.fake_quantize(x, group, clip.fill_(float(c)), bits=bits)).double())
+        errs.append(torch.stack(row))
+        energy.append((s.key_energy() if which == "k" else s.value_energy()).double())
+    return torch.stack(errs), torch.stack(energy)
+
+
+def relative_by_group(err: torch.Tensor, energy: torch.Tensor, sample_groups: torch.Tensor, groups) -> torch.Tensor:
+    """Relative squared error ``[n_clips, kv_heads]`` summed over ``groups``, each group weighing equally."""
+    total = torch.zeros(err.shape[1:], dtype=torch.float64)
+    for g in groups:
+        m = sample_groups == g
+        total += err[m].sum(0) / energy[m].sum(0).clamp_min(1e-30)
+    return total
+
+
+def fold_scores(err, energy, sample_groups, n_groups: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip chosen on the groups other than ``f``; ``f``'s relative error at that clip and at no clip."""
+    rest = [g for g in range(n_groups) if g != f]
+    chosen = relative_by_group(err, energy, sample_groups, rest).argmin(0)
+    held = relative_by_group(err, energy, sample_groups, [f])
+    heads = torch.arange(held.shape[1])
+    return held[chosen, heads], held[0]  # CLIP_GRID[0] == 1.0: no clip
 
 
 @torch.no_grad()

@@ -17,16 +17,17 @@ def _plt():
 def accuracy_table(results: dict) -> str:
     """One row per method: perplexities, mean layer error, NIAH accuracy."""
     ctxs = sorted({int(c) for r in results.values() for c in r["ppl"]})
-    head = ("| method | " + " | ".join(f"PPL {c} | PPL {c} tail" for c in ctxs)
+    head = ("| method | bits/elt | " + " | ".join(f"PPL {c} | PPL {c} tail" for c in ctxs)
             + " | mean layer err | NIAH |")
-    lines = [head, "|---|" + "---:|---:|" * len(ctxs) + "---:|---:|"]
+    lines = [head, "|---|---:|" + "---:|---:|" * len(ctxs) + "---:|---:|"]
     for name, r in results.items():
         ppl = " | ".join(f"{r['ppl'][str(c)]['ppl']:.2f} | {r['ppl'][str(c)]['ppl_tail']:.2f}" for c in ctxs)
         err = r.get("layer_errors")
         err_s = f"{sum(err) / len(err):.3f}" if err else "0 (reference)"
         niah = r.get("niah") or []
         acc = sum(x["accuracy"] for x in niah) / len(niah) if niah else float("nan")
-        lines.append(f"| {name} | {ppl} | {err_s} | {acc:.0%} |")
+        bits = r.get("bits_per_element")
+        lines.append(f"| {name} | {bits if bits is not None else 16:g} | {ppl} | {err_s} | {acc:.0%} |")
     return "\n".join(lines)
 
 

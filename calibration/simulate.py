@@ -3,8 +3,8 @@
 An attention function registered under :data:`ATTN_NAME` replaces attention
 while :func:`simulated` is active.  Per layer it rotates queries, keys and
 values with the artifact (``q' = q R_K``, ``k' = (k − μ) R_K``, ``v' = v R_V``),
-quantizes ``k'``/``v'`` with the project's INT2 format (artifact's group size
-and clip ratios), attends with each (query, key) pair reading the exact or the
+quantizes ``k'``/``v'`` with the project's row format (the layer's K and V
+formats from the artifact, bits and group, and its clip ratios), attends with each (query, key) pair reading the exact or the
 INT2 row according to the serving windows (:mod:`.served`), and de-rotates the
 output.  Quantization is a deterministic function of each row, so re-quantizing
 the exact keys that transformers' cache holds gives the same rows the INT2 pool
@@ -49,6 +49,8 @@ class SimState:
     sink: int | None = None  # None: the artifact's default
     recent: int | None = None
     quantize: bool = True
+    exact_k: bool = False  # keys read exact everywhere (to measure the values' share of the error)
+    exact_v: bool = False  # values read exact everywhere
     measure: bool = False
     err_sq: dict[int, float] = field(default_factory=dict)
     ref_sq: dict[int, float] = field(default_factory=dict)
@@ -92,16 +94,15 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     g, t = key.shape[1], key.shape[2]
     rep = h // g
     scale = scaling if scaling is not None else d ** -0.5
-    group = st.artifact.group
+    lf = st.artifact.layer_formats[module.layer_idx]
 
     qr = rot.rotate_queries(query.transpose(1, 2), layer.k_rotation).transpose(1, 2)  # [b, H, s, d]
     kr = rot.rotate_kv(key.transpose(1, 2), layer.k_rotation, layer.k_mean).transpose(1, 2)  # [b, G, T, d]
     vr = rot.rotate_kv(value.transpose(1, 2), layer.v_rotation).transpose(1, 2)
-    if st.quantize:
-        kq = fmt.fake_quantize(kr, group, layer.k_clip.reshape(-1, 1, 1))
-        vq = fmt.fake_quantize(vr, group, layer.v_clip.reshape(-1, 1, 1))
-    else:
-        kq, vq = kr, vr
+    kq = kr if not st.quantize or st.exact_k else fmt.fake_quantize(kr, lf.k.group, layer.k_clip.reshape(-1, 1, 1),
+                                                                     bits=lf.k.bits)
+    vq = vr if not st.quantize or st.exact_v else fmt.fake_quantize(vr, lf.v.group, layer.v_clip.reshape(-1, 1, 1),
+                                                                     bits=lf.v.bits)
     q_pos = torch.arange(t - s, t, device=query.device)
     allowed = _allowed(attention_mask, b, s, t, q_pos, query.device)
     if st.mode == "decode":

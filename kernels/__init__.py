@@ -1,4 +1,5 @@
-"""Triton kernels for the INT2 KV cache, each beside a plain-torch reference.
+"""Triton kernels for the quantized KV cache (INT2 rows; INT4/INT8 keys or values per layer), each beside
+a plain-torch reference.
 
 Entry points (dispatching on device) are in :mod:`oscar_sglang.kernels.api`;
 the pool tensors they take are named in :mod:`oscar_sglang.kernels.layout`.

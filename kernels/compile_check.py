@@ -4,7 +4,9 @@
 
 The interpreter runs kernels as numpy and accepts things the compiler
 refuses; this goes through Triton's real pipeline down to a cubin (ptxas)
-for representative launches and prints registers and spills per kernel.
+for representative launches (INT2 rows, and mixed key/value formats: INT4 keys
+with INT2 values, INT8 keys with INT4 values) and prints registers and spills
+per kernel.
 The launches are recorded from the real wrappers on CPU tensors, so the
 signatures are exactly the ones used.  Must run without ``TRITON_INTERPRET``.
 """
@@ -72,6 +74,8 @@ def _no_merge(mid_o, mid_lse):
 
 def launches() -> list[tuple[str, object, tuple, dict]]:
     """Representative launches of every kernel: (label, jit function, args, constexpr kwargs)."""
+    from oscar_sglang import format as fmt
+
     from . import layout, scenario
     from .decode import bf16_baseline
     from .decode import triton_kernel as dec
@@ -84,14 +88,20 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
         for fn, args, kwargs in _record(module, name, run):
             out.append((label, fn, args, {**kwargs, **override}))
 
-    for d, g, gqa in ((128, 128, 4), (128, 32, 3), (64, 64, 8), (64, 32, 1)):
+    int2, int4, int8 = fmt.RowFormat(2), fmt.RowFormat(4), fmt.RowFormat(8)
+    for d, kf, vf, gqa in ((128, int2, int2, 4), (128, fmt.RowFormat(2, 32), fmt.RowFormat(2, 32), 3),
+                           (64, int2, int2, 8), (64, fmt.RowFormat(2, 32), fmt.RowFormat(2, 32), 1),
+                           (128, int4, int2, 4), (64, int8, fmt.RowFormat(4, 16), 4)):
         kv = 2
         paged = scenario.paged_layout([5, 40], 16)
         rot = scenario.random_rotation(kv, d)
-        store = layout.empty_store(paged.num_slots, kv, d, g, 8)
+        store = layout.empty_store(paged.num_slots, kv, d, None, 8, k_format=kf, v_format=vf)
+        g = store.k_format.group
         k, v = scenario.random_kv(4, kv, d)
         q = torch.randn(2, kv * gqa, d)
-        tag = f"d={d} G={g} gqa={gqa}"
+        same = kf.resolved(d) == vf.resolved(d)
+        tag = (f"d={d} {kf.name(d)} gqa={gqa}" if same and kf.bits == 2 else
+               f"d={d} K {kf.name(d)} V {vf.name(d)} gqa={gqa}")
         add(f"write {tag}", wr, "_write_kernel",
             lambda: wr.write_kv(k, v, torch.arange(4), store, rot, torch.tensor([0, -1, 2, 3])))
         with _replaced(dec, "merge_splits", _no_merge):
@@ -102,7 +112,7 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
         add(f"extend {tag}", ext, "_extend_kernel",
             lambda: ext.extend_attention(qe, k, v, store, rot, paged.req_to_token, paged.req_pool_indices,
                                          torch.tensor([3, 0]), torch.tensor([1, 3]), 0.1))
-        if g == d:
+        if g == d and kf.bits == 2 and same:
             with _replaced(bf16_baseline, "merge_splits", _no_merge):
                 add(f"bf16 baseline {tag}", bf16_baseline, "_bf16_split_kernel",
                     lambda: bf16_baseline.decode_attention_bf16(q.bfloat16(), k, v, paged.req_to_token,
@@ -140,7 +150,7 @@ def compile_all(arch: int = 90, verbose: bool = True) -> list[dict]:
                 **_resource_usage(kernel.asm["cubin"])}
         results.append(info)
         if verbose:
-            print(f"{label:30s} {fn.__name__:22s} " + " ".join(f"{k} {v}" for k, v in info.items()
+            print(f"{label:40s} {fn.__name__:22s} " + " ".join(f"{k} {v}" for k, v in info.items()
                                                                if k not in ("launch", "kernel")), flush=True)
     return results
 

@@ -1,13 +1,20 @@
 """The per-layer pool tensors the kernels read and write (the pool layout contract).
 
-A :class:`LayerStore` holds one layer's INT2 rows and its BF16 side pool; a
+A :class:`LayerStore` holds one layer's quantized rows and its BF16 side pool; a
 :class:`DeviceRotation` holds one layer's rotation state.  The SGLang pool owns
 the tensors; these classes only name them (building one is free, no copies).
 
-INT2 rows (format of ``oscar_sglang.format``), per slot and KV head::
+Quantized rows (format of ``oscar_sglang.format``), per slot and KV head; keys
+and values each have their own format (``bits`` b in {2, 4, 8}, group ``G``),
+read off the tensor shapes (:attr:`LayerStore.k_format`, :attr:`LayerStore.v_format`)::
 
-    k_codes, v_codes  uint8 [num_slots, kv_heads, d // 4]
-    k_scale, k_zero   fp16  [num_slots, kv_heads, d // G]    (v_scale, v_zero likewise)
+    k_codes           uint8 [num_slots, kv_heads, d * b_K // 8]
+    k_scale, k_zero   fp16  [num_slots, kv_heads, d // G_K]
+    v_codes           uint8 [num_slots, kv_heads, d * b_V // 8]
+    v_scale, v_zero   fp16  [num_slots, kv_heads, d // G_V]
+
+The references take any such format; the Triton kernels need a power-of-two
+``d >= 64`` and groups ``G >= 4`` (:func:`triton_unsupported`).
 
 Hot side pool (rotated rows ``k' = (k - mu) R_K``, ``v' = v R_V``, unclipped)::
 
@@ -32,7 +39,12 @@ from oscar_sglang import format as fmt
 
 @dataclass(frozen=True)
 class LayerStore:
-    """One layer's INT2 rows, BF16 side pool and the shared ``hot_index``."""
+    """One layer's quantized rows, BF16 side pool and the shared ``hot_index``.
+
+    The row formats of keys and values (:attr:`k_format`, :attr:`v_format`)
+    follow from the shapes: ``head_dim`` from the side pool's rows, the bits
+    from the codes' width, the group from the number of scales.
+    """
 
     k_codes: torch.Tensor
     k_scale: torch.Tensor
@@ -54,11 +66,15 @@ class LayerStore:
 
     @property
     def head_dim(self) -> int:
-        return self.k_codes.shape[2] * fmt.CODES_PER_BYTE
+        return self.k_hot.shape[2]
 
     @property
-    def group_size(self) -> int:
-        return self.head_dim // self.k_scale.shape[2]
+    def k_format(self) -> fmt.RowFormat:
+        return _format_of(self.k_codes, self.k_scale, self.head_dim, "k")
+
+    @property
+    def v_format(self) -> fmt.RowFormat:
+        return _format_of(self.v_codes, self.v_scale, self.head_dim, "v")
 
     def clone(self) -> "LayerStore":
         """A deep copy (tests and benchmarks)."""
@@ -67,14 +83,12 @@ class LayerStore:
     def check(self) -> None:
         """Raise ``ValueError`` naming the first tensor that breaks the layout."""
         n, h, d = self.num_slots, self.kv_heads, self.head_dim
-        ng = self.k_scale.shape[-1]
-        if ng == 0 or d % ng:
-            raise ValueError(f"k_scale has {ng} groups per row, which does not divide head_dim {d}")
-        fmt.check_shape(d, d // ng)
+        kf, vf = self.k_format, self.v_format
+        kg, vg = d // kf.group, d // vf.group
         want = {
-            "k_codes": ((n, h, d // 4), torch.uint8), "v_codes": ((n, h, d // 4), torch.uint8),
-            "k_scale": ((n, h, ng), torch.float16), "k_zero": ((n, h, ng), torch.float16),
-            "v_scale": ((n, h, ng), torch.float16), "v_zero": ((n, h, ng), torch.float16),
+            "k_codes": ((n, h, d * kf.bits // 8), torch.uint8), "v_codes": ((n, h, d * vf.bits // 8), torch.uint8),
+            "k_scale": ((n, h, kg), torch.float16), "k_zero": ((n, h, kg), torch.float16),
+            "v_scale": ((n, h, vg), torch.float16), "v_zero": ((n, h, vg), torch.float16),
             "hot_index": ((n,), torch.int32),
         }
         for name, (shape, dtype) in want.items():
@@ -112,17 +126,40 @@ def require_contiguous(store: LayerStore, rot: DeviceRotation) -> None:
                 raise ValueError(f"{name} must be contiguous for the Triton kernels")
 
 
-def triton_unsupported(head_dim: int, group_size: int | None = None) -> str | None:
-    """Why the Triton kernels cannot serve this shape, or None when they can.
+def triton_unsupported(head_dim: int, *formats: fmt.RowFormat | int | None) -> str | None:
+    """Why the Triton kernels cannot serve rows of this shape and these formats, or None when they can.
 
-    All three kernels need a power-of-two ``head_dim >= 64``; the write kernel
-    also needs a power-of-two ``group_size`` (pass None to skip that check).
+    All three kernels need a power-of-two ``head_dim >= 64``.  Each of
+    ``formats`` (a :class:`~oscar_sglang.format.RowFormat`, e.g. a store's
+    ``k_format`` and ``v_format``; an int is an INT2 group size, the pool's
+    older form; None is skipped) must have 2, 4 or 8 bits and a group size
+    ``G`` dividing ``head_dim`` with ``G >= 4``, i.e. a power of two >= 4: the
+    kernels handle rows in words of four consecutive codes, which must not
+    straddle two groups.
     """
     if head_dim < 64 or head_dim & (head_dim - 1):
         return f"the Triton kernels need a power-of-two head_dim >= 64, got {head_dim}"
-    if group_size is not None and (group_size < 4 or group_size & (group_size - 1)):
-        return f"the Triton write kernel needs a power-of-two group size, got {group_size}"
+    for f in formats:
+        if f is None:
+            continue
+        if isinstance(f, int) and not isinstance(f, bool):
+            f = fmt.RowFormat(2, f) if f > 0 else None
+        if not isinstance(f, fmt.RowFormat):
+            return f"the Triton kernels need positive group sizes, got {f!r}"
+        g = f.group_for(head_dim)
+        if g < 4 or g & (g - 1) or head_dim % g:
+            return (f"the Triton kernels need a power-of-two group size >= 4 dividing head_dim {head_dim}, "
+                    f"got {g} ({f.name(head_dim)})")
     return None
+
+
+def _format_of(codes: torch.Tensor, scale: torch.Tensor, d: int, which: str) -> fmt.RowFormat:
+    width, ng = codes.shape[-1], scale.shape[-1]
+    if d <= 0 or (8 * width) % d or (8 * width) // d not in fmt.BITS:
+        raise ValueError(f"{which}_codes rows of {width} bytes do not hold {d} codes of {fmt.BITS} bits")
+    if ng == 0 or d % ng:
+        raise ValueError(f"{which}_scale has {ng} groups per row, which does not divide head_dim {d}")
+    return fmt.RowFormat(8 * width // d, d // ng).resolved(d)
 
 
 def _expect(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -130,21 +167,32 @@ def _expect(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> Non
         raise ValueError(f"{name} must be {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
 
 
+def row_tensors(num_slots: int, kv_heads: int, head_dim: int, form: fmt.RowFormat,
+                device: torch.device | str = "cpu", layers: int | None = None) -> tuple[torch.Tensor, ...]:
+    """Zeroed ``codes, scale, zero`` of one side (K or V) in ``form``; with ``layers``, stacked ``[layers, ...]``."""
+    f = form.resolved(head_dim)
+    lead = () if layers is None else (layers,)
+    n, h, d = num_slots, kv_heads, head_dim
+    codes = torch.zeros(*lead, n, h, d * f.bits // 8, dtype=torch.uint8, device=device)
+    scale, zero = (torch.zeros(*lead, n, h, d // f.group, dtype=torch.float16, device=device) for _ in range(2))
+    return codes, scale, zero
+
+
 def empty_store(num_slots: int, kv_heads: int, head_dim: int, group_size: int | None = None,
-                hot_entries: int = 0, device: torch.device | str = "cpu") -> LayerStore:
-    """A zeroed store with every slot cold (``hot_index = -1``); for tests and benchmarks."""
-    g = head_dim if group_size is None else group_size
-    fmt.check_shape(head_dim, g)
-    n, h, d, ng = num_slots, kv_heads, head_dim, head_dim // g
+                hot_entries: int = 0, device: torch.device | str = "cpu", *,
+                k_format: fmt.RowFormat | None = None, v_format: fmt.RowFormat | None = None) -> LayerStore:
+    """A zeroed store with every slot cold (``hot_index = -1``); for tests and benchmarks.
 
-    def z(*shape, dtype):
-        return torch.zeros(*shape, dtype=dtype, device=device)
-
+    ``k_format``/``v_format`` default to INT2 rows with ``group_size`` (None: one group per row).
+    """
+    kf = k_format or fmt.RowFormat(2, group_size)
+    vf = v_format or fmt.RowFormat(2, group_size)
+    n, h, d = num_slots, kv_heads, head_dim
+    k_codes, k_scale, k_zero = row_tensors(n, h, d, kf, device)
+    v_codes, v_scale, v_zero = row_tensors(n, h, d, vf, device)
     return LayerStore(
-        k_codes=z(n, h, d // 4, dtype=torch.uint8), k_scale=z(n, h, ng, dtype=torch.float16),
-        k_zero=z(n, h, ng, dtype=torch.float16),
-        v_codes=z(n, h, d // 4, dtype=torch.uint8), v_scale=z(n, h, ng, dtype=torch.float16),
-        v_zero=z(n, h, ng, dtype=torch.float16),
-        k_hot=z(hot_entries, h, d, dtype=torch.bfloat16), v_hot=z(hot_entries, h, d, dtype=torch.bfloat16),
+        k_codes=k_codes, k_scale=k_scale, k_zero=k_zero, v_codes=v_codes, v_scale=v_scale, v_zero=v_zero,
+        k_hot=torch.zeros(hot_entries, h, d, dtype=torch.bfloat16, device=device),
+        v_hot=torch.zeros(hot_entries, h, d, dtype=torch.bfloat16, device=device),
         hot_index=torch.full((n,), -1, dtype=torch.int32, device=device),
     )

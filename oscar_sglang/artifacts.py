@@ -3,7 +3,8 @@
 Layout (DESIGN.md invariant 6)::
 
     DIR/manifest.json          format name and version, model fingerprint, method,
-                               defaults (sink, recent, group size), calibration summary
+                               defaults (sink, recent, group size), the row format of
+                               each layer's keys and values (version 2), calibration summary
     DIR/rotations.safetensors  per layer i, float32:
                                  layers.{i}.k_rotation [kv_heads, d, d]
                                  layers.{i}.v_rotation [kv_heads, d, d]
@@ -27,10 +28,11 @@ from pathlib import Path
 import torch
 
 from . import rotation as rot
-from .format import check_shape
+from .format import BITS, RowFormat, check_shape
 
 FORMAT_NAME = "oscar-sglang-rotations"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: every layer INT2 with the default group
 MANIFEST = "manifest.json"
 TENSORS = "rotations.safetensors"
 ORTHOGONALITY_TOL = 1e-4
@@ -119,6 +121,21 @@ class LayerRotation:
         return LayerRotation(*(getattr(self, n).to(device=device, dtype=dtype) for n in self.TENSOR_NAMES))
 
 
+@dataclass(frozen=True)
+class LayerFormat:
+    """The row formats of one layer's keys and values (a precision policy's choice for the layer)."""
+
+    k: RowFormat
+    v: RowFormat
+
+    def to_json(self) -> dict:
+        return {"k": self.k.to_json(), "v": self.v.to_json()}
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Average stored bits per K/V element of the layer (scale and zero included)."""
+        return (self.k.bits_per_element(head_dim) + self.v.bits_per_element(head_dim)) / 2
+
+
 @dataclass
 class RotationArtifacts:
     model: ModelFingerprint
@@ -128,10 +145,46 @@ class RotationArtifacts:
     recent: int = DEFAULT_RECENT
     group_size: int | None = None  # None: one group per row (G = head_dim)
     calibration: dict = field(default_factory=dict)
+    # Per-layer row formats (a precision policy); None: every layer INT2 with ``group_size``.
+    formats: list[LayerFormat] | None = None
 
     @property
     def group(self) -> int:
         return self.group_size or self.model.head_dim
+
+    @property
+    def layer_formats(self) -> list[LayerFormat]:
+        """Every layer's K and V row formats, groups spelled out."""
+        d = self.model.head_dim
+        if self.formats is None:
+            f = RowFormat(2, self.group)
+            return [LayerFormat(f, f)] * len(self.layers)
+        return [LayerFormat(lf.k.resolved(d), lf.v.resolved(d)) for lf in self.formats]
+
+    @property
+    def bits_per_element(self) -> float:
+        """Average stored bits per K/V element over all layers (scale and zero included)."""
+        fs = self.layer_formats
+        return sum(f.bits_per_element(self.model.head_dim) for f in fs) / max(len(fs), 1)
+
+    def bytes_per_token(self, kv_heads: int | None = None) -> int:
+        """Bytes one token's rows of K and V take over all layers (``kv_heads``: a rank's share)."""
+        h, d = kv_heads or self.model.num_kv_heads, self.model.head_dim
+        return sum(h * (f.k.bytes_per_row(d) + f.v.bytes_per_row(d)) for f in self.layer_formats)
+
+    def policy_summary(self) -> str:
+        """``"int2 (28 layers K, 30 V), int4 (2 K)"``-style count of layers per format."""
+        d = self.model.head_dim
+        count: dict[str, list[int]] = {}
+        for f in self.layer_formats:
+            for side, rf in (("K", f.k), ("V", f.v)):
+                c = count.setdefault(rf.name(d), [0, 0])
+                c[side == "V"] += 1
+        parts = []
+        for name, (k, v) in sorted(count.items(), key=lambda kv: (-sum(kv[1]), kv[0])):
+            sides = ", ".join(f"{n} {side}" for n, side in ((k, "K"), (v, "V")) if n)
+            parts.append(f"{name} ({sides})")
+        return ", ".join(parts)
 
     def for_kv_heads(self, heads: list[int]) -> "RotationArtifacts":
         """A copy whose layers hold only KV heads ``heads`` (a tensor-parallel rank's share).
@@ -146,6 +199,14 @@ class RotationArtifacts:
                   for lr in self.layers]
         return replace(self, layers=layers)
 
+    def with_formats(self, formats: list[LayerFormat] | None) -> "RotationArtifacts":
+        """A copy whose layers store their rows in ``formats`` (validated)."""
+        from dataclasses import replace
+
+        out = replace(self, formats=None if formats is None else list(formats))
+        out.validate()
+        return out
+
     def validate(self, where: str = "rotation artifacts") -> None:
         """Raise :class:`ArtifactError` unless every tensor and default is servable."""
         fp = self.model
@@ -157,6 +218,16 @@ class RotationArtifacts:
             raise ArtifactError(f"{where}: {e}") from None
         if self.sink < 0 or self.recent < 0:
             raise ArtifactError(f"{where}: sink ({self.sink}) and recent ({self.recent}) windows must be >= 0")
+        if self.formats is not None:
+            if len(self.formats) != fp.num_layers:
+                raise ArtifactError(f"{where}: row formats for {len(self.formats)} layers but the model has "
+                                    f"{fp.num_layers}")
+            for i, lf in enumerate(self.formats):
+                for side, rf in (("k", lf.k), ("v", lf.v)):
+                    try:
+                        rf.resolved(fp.head_dim)
+                    except ValueError as e:
+                        raise ArtifactError(f"{where}: layer {i} {side} format: {e}") from None
         for i, layer in enumerate(self.layers):
             for name, shape in LayerRotation.expected_shapes(fp.num_kv_heads, fp.head_dim).items():
                 t = getattr(layer, name)
@@ -196,7 +267,8 @@ def save(art: RotationArtifacts, directory: str | os.PathLike) -> Path:
         "method": art.method,
         "model": asdict(art.model),
         "defaults": {"sink": art.sink, "recent": art.recent, "group_size": art.group},
-        "bits_per_element": 2 + 32 / art.group,
+        "bits_per_element": round(art.bits_per_element, 6),
+        "layer_formats": [lf.to_json() for lf in art.layer_formats],
         "calibration": art.calibration,
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
@@ -225,9 +297,9 @@ def _read_manifest(path: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise ArtifactError(f"{path}: not an oscar-sglang rotations manifest (format must be {FORMAT_NAME!r})")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise ArtifactError(f"{path}: unknown format_version {version!r}; this oscar-sglang reads version "
-                            f"{FORMAT_VERSION} (re-run oscar-calibrate with this version)")
+    if version not in READABLE_VERSIONS:
+        raise ArtifactError(f"{path}: unknown format_version {version!r}; this oscar-sglang reads versions "
+                            f"{', '.join(map(str, READABLE_VERSIONS))} (re-run oscar-calibrate with this version)")
     for key in ("method", "model", "defaults"):
         if key not in manifest:
             raise ArtifactError(f"{path}: missing the {key!r} entry")
@@ -241,7 +313,35 @@ def _read_manifest(path: Path) -> dict:
         value = manifest["defaults"].get(key)
         if value is not None and (type(value) is not int or not 0 <= value <= 1 << 24):
             raise ArtifactError(f"{path}: defaults.{key} must be an integer in [0, {1 << 24}], got {value!r}")
+    if version >= 2:
+        manifest["layer_formats"] = _read_layer_formats(path, manifest)
+    else:
+        manifest.pop("layer_formats", None)
     return manifest
+
+
+def _read_layer_formats(path: Path, manifest: dict) -> list[LayerFormat]:
+    """Version 2's ``layer_formats``: one ``{"k": {"bits", "group"}, "v": ...}`` per layer, bounded and checked."""
+    entries = manifest.get("layer_formats")
+    layers, d = manifest["model"]["num_layers"], manifest["model"]["head_dim"]
+    if not isinstance(entries, list) or len(entries) != layers:
+        raise ArtifactError(f"{path}: layer_formats must list one entry per layer ({layers}), got "
+                            f"{len(entries) if isinstance(entries, list) else type(entries).__name__}")
+    out = []
+    for i, e in enumerate(entries):
+        sides = []
+        for side in ("k", "v"):
+            f = e.get(side) if isinstance(e, dict) else None
+            bits, group = (f.get("bits"), f.get("group")) if isinstance(f, dict) else (None, None)
+            if type(bits) is not int or bits not in BITS or type(group) is not int or not 0 < group <= d:
+                raise ArtifactError(f"{path}: layer_formats[{i}].{side} must be {{\"bits\": one of {list(BITS)}, "
+                                    f"\"group\": an integer in [1, {d}]}}, got {f!r}")
+            try:
+                sides.append(RowFormat(bits, group).resolved(d))
+            except ValueError as err:
+                raise ArtifactError(f"{path}: layer_formats[{i}].{side}: {err}") from None
+        out.append(LayerFormat(*sides))
+    return out
 
 
 def _check_tensor_header(path: Path, fp: ModelFingerprint) -> None:
@@ -335,6 +435,7 @@ def load(
         recent=int(defaults.get("recent", DEFAULT_RECENT)),
         group_size=None if group == fp.head_dim else group,
         calibration=manifest.get("calibration", {}),
+        formats=manifest.get("layer_formats"),
     )
     art.validate(str(tensors_path))
     return art

@@ -1,7 +1,9 @@
-"""The INT2 row format: the one definition every other part follows.
+"""The quantized row format: the one definition every other part follows.
 
 A tensor ``x[..., d]`` is quantized row by row in groups of ``G`` consecutive
-channels (``G`` divides ``d``; default ``G = d``, one group per row):
+channels (``G`` divides ``d``; default ``G = d``, one group per row), with
+``b`` bits per code, ``b`` in :data:`BITS` (2: the INT2 cache; 4 and 8: the
+wider rows a precision policy may give a layer's keys or values):
 
 1. **Clip** (optional).  With ratio ``r`` in (0, 1] for the group, the group's
    range ``[min, max]`` shrinks about its midpoint to
@@ -10,20 +12,23 @@ channels (``G`` divides ``d``; default ``G = d``, one group per row):
    about zero) keeps the clip independent of a constant offset, as the
    asymmetric quantizer itself is.
 2. **Scale and zero**, stored as fp16: ``zero = fp16(lo)``,
-   ``scale = fp16((hi - zero) / 3)``.  Codes are computed against these
-   *stored* values, so dequantization reproduces exactly what the encoder
-   meant.
-3. **Codes** ``c = clamp(round((x - zero) / scale), 0, 3)``; a constant group
+   ``scale = fp16((hi - zero) / L)`` with ``L = 2^b - 1`` (3 for INT2).
+   Codes are computed against these *stored* values, so dequantization
+   reproduces exactly what the encoder meant.
+3. **Codes** ``c = clamp(round((x - zero) / scale), 0, L)``; a constant group
    (``scale == 0``) gets all-zero codes and dequantizes to ``zero`` exactly.
    ``round`` is round-half-to-even (``torch.round``).
-4. **Packing**: four codes per ``uint8``, little-endian within the byte:
-   element ``j`` of a row lives in byte ``j // 4`` at bits ``2 * (j % 4)``
-   (element ``4i`` in bits 0-1, ``4i+1`` in bits 2-3, ``4i+2`` in bits 4-5,
-   ``4i+3`` in bits 6-7).  Packing is per row and ignores groups.
+4. **Packing**: ``8 / b`` codes per ``uint8``, little-endian within the byte:
+   element ``j`` of a row lives in byte ``j * b // 8`` at bits ``b * (j % (8 / b))``
+   (INT2: element ``4i`` in bits 0-1 of byte ``i``, ``4i+1`` in bits 2-3,
+   ``4i+2`` in bits 4-5, ``4i+3`` in bits 6-7; INT4: element ``2i`` in the
+   low nibble of byte ``i``, ``2i+1`` in the high one; INT8: one byte each).
+   Packing is per row and ignores groups.
 
 Dequantized value: ``x_hat = zero + c * scale`` (computed in float32).
-Storage per row: ``d / 4`` bytes of codes plus ``4 * d / G`` bytes of scale
-and zero, i.e. ``2 + 32 / G`` bits per element.
+Storage per row: ``d * b / 8`` bytes of codes plus ``4 * d / G`` bytes of
+scale and zero, i.e. ``b + 32 / G`` bits per element.  ``d`` must be a
+multiple of 4 for every ``b`` (the kernels read rows in four pieces).
 
 Plain torch only: kernels, the CPU serving path, the calibration's simulated
 cache and the tests all use or are tested against this module.
@@ -35,60 +40,120 @@ from dataclasses import dataclass
 
 import torch
 
-LEVELS = 4
-CODES_PER_BYTE = 4
+BITS = (2, 4, 8)
+LEVELS = 4  # INT2 code values (the default format)
+CODES_PER_BYTE = 4  # INT2
+
+
+def max_code(bits: int = 2) -> int:
+    """Largest code ``L = 2^bits - 1``; the quantization step is ``(max - min) / L``."""
+    check_bits(bits)
+    return (1 << bits) - 1
+
+
+def codes_per_byte(bits: int = 2) -> int:
+    check_bits(bits)
+    return 8 // bits
+
+
+def check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"codes must have one of {BITS} bits, got {bits!r}")
 
 
 @dataclass(frozen=True)
-class Int2Rows:
-    """Quantized rows: ``codes[..., d // 4]`` uint8, ``scale``/``zero[..., d // G]`` fp16."""
+class RowFormat:
+    """How one layer stores its key (or value) rows: ``bits`` per code, one fp16 scale and zero per ``group``."""
+
+    bits: int = 2
+    group: int | None = None  # None: one group per row (G = head_dim)
+
+    def __post_init__(self):
+        check_bits(self.bits)
+        if self.group is not None and (type(self.group) is not int or self.group <= 0):
+            raise ValueError(f"group size must be a positive integer, got {self.group!r}")
+
+    def group_for(self, dim: int) -> int:
+        return dim if self.group is None else self.group
+
+    def resolved(self, dim: int) -> "RowFormat":
+        """The same format with ``group`` spelled out for rows of ``dim`` (checked)."""
+        g = self.group_for(dim)
+        check_shape(dim, g, self.bits)
+        return RowFormat(self.bits, g)
+
+    def bits_per_element(self, dim: int) -> float:
+        return bits_per_element(self.group_for(dim), self.bits)
+
+    def bytes_per_row(self, dim: int) -> int:
+        return bytes_per_row(dim, self.group_for(dim), self.bits)
+
+    def name(self, dim: int | None = None) -> str:
+        g = self.group if dim is None else self.group_for(dim)
+        return f"int{self.bits}" + (f"/g{g}" if g is not None and g != dim else "")
+
+    def to_json(self) -> dict:
+        return {"bits": self.bits, "group": self.group}
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """Quantized rows: ``codes[..., d * bits // 8]`` uint8, ``scale``/``zero[..., d // G]`` fp16."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    bits: int = 2
 
     @property
     def dim(self) -> int:
-        return self.codes.shape[-1] * CODES_PER_BYTE
+        return self.codes.shape[-1] * codes_per_byte(self.bits)
 
     @property
     def group_size(self) -> int:
         return self.dim // self.scale.shape[-1]
 
 
-def bits_per_element(group_size: int) -> float:
-    """Storage cost of the format: 2 bits of code plus fp16 scale and zero per group."""
-    return 2.0 + 32.0 / group_size
+def bits_per_element(group_size: int, bits: int = 2) -> float:
+    """Storage cost of the format: ``bits`` of code plus fp16 scale and zero per group."""
+    check_bits(bits)
+    return bits + 32.0 / group_size
 
 
-def bytes_per_row(dim: int, group_size: int | None = None) -> int:
+def bytes_per_row(dim: int, group_size: int | None = None, bits: int = 2) -> int:
     group_size = dim if group_size is None else group_size
-    check_shape(dim, group_size)
-    return dim // CODES_PER_BYTE + 4 * (dim // group_size)
+    check_shape(dim, group_size, bits)
+    return dim * bits // 8 + 4 * (dim // group_size)
 
 
-def check_shape(dim: int, group_size: int) -> None:
-    if dim % CODES_PER_BYTE:
-        raise ValueError(f"INT2 rows need a dimension divisible by 4, got {dim}")
+def check_shape(dim: int, group_size: int, bits: int = 2) -> None:
+    check_bits(bits)
+    if dim % 4:
+        raise ValueError(f"quantized rows need a dimension divisible by 4, got {dim}")
     if group_size <= 0 or dim % group_size:
         raise ValueError(f"group size {group_size} must divide the row dimension {dim}")
 
 
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """Pack codes ``[..., d]`` (values 0..3, any integer dtype) into ``uint8[..., d // 4]``."""
-    if codes.shape[-1] % CODES_PER_BYTE:
-        raise ValueError(f"cannot pack {codes.shape[-1]} codes: need a multiple of 4")
-    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, CODES_PER_BYTE)
-    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+def pack(codes: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    """Pack codes ``[..., d]`` (values ``0..2^bits - 1``, any integer dtype) into ``uint8[..., d * bits // 8]``."""
+    per = codes_per_byte(bits)
+    if codes.shape[-1] % per:
+        raise ValueError(f"cannot pack {codes.shape[-1]} codes of {bits} bits: need a multiple of {per}")
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, per)
+    out = c[..., 0].clone()
+    for j in range(1, per):
+        out |= c[..., j] << (bits * j)
+    return out
 
 
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``uint8[..., n]`` -> codes ``uint8[..., 4 n]``."""
+def unpack(packed: torch.Tensor, bits: int = 2) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``uint8[..., n]`` -> codes ``uint8[..., n * 8 // bits]``."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & 3
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * CODES_PER_BYTE)
+    per = codes_per_byte(bits)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & max_code(bits)
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
 
 
 def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -114,30 +179,32 @@ def quantize(
     x: torch.Tensor,
     group_size: int | None = None,
     clip_ratio: torch.Tensor | float | None = None,
-) -> Int2Rows:
-    """Quantize ``x[..., d]`` to INT2 rows.
+    bits: int = 2,
+) -> QuantRows:
+    """Quantize ``x[..., d]`` to rows of ``bits``-bit codes.
 
     ``clip_ratio`` is a float or a tensor broadcastable to ``x.shape[:-1] + (d // G,)``
     (one ratio per row-group; e.g. shape ``[kv_heads, 1]`` for one level per head).
     """
     d = x.shape[-1]
     group_size = d if group_size is None else group_size
-    check_shape(d, group_size)
+    check_shape(d, group_size, bits)
+    top = max_code(bits)
     g = clip_groups(x, clip_ratio, group_size)
     lo = g.amin(dim=-1)
     hi = g.amax(dim=-1)
     zero = lo.to(torch.float16)
-    scale = ((hi - zero.float()) / (LEVELS - 1)).clamp_min(0).to(torch.float16)
+    scale = ((hi - zero.float()) / top).clamp_min(0).to(torch.float16)
     zf = zero.float().unsqueeze(-1)
     sf = scale.float().unsqueeze(-1)
     inv = torch.where(sf > 0, 1.0 / sf, torch.zeros_like(sf))
-    codes = torch.round((g - zf) * inv).clamp_(0, LEVELS - 1)
-    return Int2Rows(pack(codes.reshape(x.shape)), scale, zero)
+    codes = torch.round((g - zf) * inv).clamp_(0, top)
+    return QuantRows(pack(codes.reshape(x.shape), bits), scale, zero, bits)
 
 
-def dequantize(q: Int2Rows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(q: QuantRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reconstruct ``x_hat[..., d] = zero + code * scale`` for every element."""
-    codes = unpack(q.codes).float()
+    codes = unpack(q.codes, q.bits).float()
     g = _grouped(codes, q.group_size)
     x = q.zero.float().unsqueeze(-1) + g * q.scale.float().unsqueeze(-1)
     return x.reshape(codes.shape).to(dtype)
@@ -147,6 +214,7 @@ def fake_quantize(
     x: torch.Tensor,
     group_size: int | None = None,
     clip_ratio: torch.Tensor | float | None = None,
+    bits: int = 2,
 ) -> torch.Tensor:
     """Round trip through the format, returned in ``x``'s dtype (for simulation and error reports)."""
-    return dequantize(quantize(x, group_size, clip_ratio), dtype=x.dtype)
+    return dequantize(quantize(x, group_size, clip_ratio, bits), dtype=x.dtype)

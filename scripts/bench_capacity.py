@@ -47,7 +47,8 @@ from oscar_sglang.sglang import launcher, sizing
 from oscar_sglang.sglang.settings import DEFAULT_HOT_REQUESTS, ENV_KV_BUDGET
 
 ROOT = Path(__file__).resolve().parents[1]
-GOALS = {64: 6.0, 128: 6.8}
+GOALS = {64: 6.0, 128: 6.8}  # INT2 everywhere
+POLICY_GOAL = 5.5  # a precision policy's artifact (oscar-calibrate --bits, default 2.75)
 
 
 def parse_args(argv=None):
@@ -59,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rotations", type=Path, default=None,
-                   help="rotations for SmolLM2 (default: Hadamard built on the fly; capacity does not depend on it)")
+                   help="rotations for SmolLM2 (default: Hadamard built on the fly, INT2 everywhere; capacity depends "
+                        "only on their row formats, e.g. a precision policy's from oscar-calibrate --bits)")
     p.add_argument("--geometries", nargs="+", default=["smollm2", "d128"], choices=["smollm2", "d128"])
     return p.parse_args(argv)
 
@@ -126,13 +128,18 @@ def run_server(model: Path, log: Path, budget: int, extra: list[str], args) -> d
     return {"capacity": capacity, "start_s": start_s, "decode": speeds, "startup_line": launcher.startup_line(log)}
 
 
-def expected(model: Path, budget: int) -> dict:
-    """The capacity the byte math predicts, as an independent check of what the servers report."""
+def expected(model: Path, budget: int, rotations: art.RotationArtifacts) -> dict:
+    """The capacity the byte math predicts, as an independent check of what the servers report.
+
+    The INT2 cell is the artifact's real bytes per token: each layer's K and V rows in its formats (INT2
+    everywhere, or a precision policy's mix).
+    """
     layers, kv, d = geometry(model)
     bf16 = sizing.capacity_tokens(budget, sizing.bf16_bytes_per_token(layers, kv, d))
     hot = sizing.hot_plan(DEFAULT_HOT_REQUESTS, art.DEFAULT_SINK, art.DEFAULT_RECENT).nbytes(layers, kv, d)
-    int2 = sizing.capacity_tokens(budget, sizing.int2_bytes_per_token(layers, kv, d, d), fixed_bytes=hot)
-    return {"bf16": bf16, "int2": int2, "hot_bytes": hot, "layers": layers, "kv_heads": kv, "head_dim": d}
+    int2 = sizing.capacity_tokens(budget, rotations.bytes_per_token(kv), fixed_bytes=hot)
+    return {"bf16": bf16, "int2": int2, "hot_bytes": hot, "layers": layers, "kv_heads": kv, "head_dim": d,
+            "bits_per_element": rotations.bits_per_element, "formats": rotations.policy_summary()}
 
 
 def main(argv=None) -> int:
@@ -149,7 +156,8 @@ def main(argv=None) -> int:
         budget = int(gib * 2**30)
         fp = fingerprint(model)
         rot = args.rotations if (name == "smollm2" and args.rotations) else art.save(art.hadamard(fp), work / name)
-        want = expected(model, budget)
+        rotations = art.load(rot, expect=fp)
+        want = expected(model, budget, rotations)
         print(f"[{name}] {want['layers']} layers, {want['kv_heads']} KV heads, head_dim {want['head_dim']}, "
               f"budget {gib:g} GiB", flush=True)
         res = {}
@@ -164,7 +172,8 @@ def main(argv=None) -> int:
         rows.append({"geometry": name, "model": str(model) if name == "smollm2" else "Llama d128 (dummy weights)",
                      "budget_gib": gib, "budget_bf16_tokens": res["bf16"]["capacity"], "expected": want,
                      "bf16": res["bf16"], "int2": res["oscar-int2"], "ratio": ratio,
-                     "format_ratio": 16 / (2 + 32 / want["head_dim"]), "goal": GOALS[want["head_dim"]]})
+                     "format_ratio": 16 / want["bits_per_element"],
+                     "goal": GOALS[want["head_dim"]] if rotations.formats is None else POLICY_GOAL})
     write_report(rows, args)
     shutil.rmtree(work, ignore_errors=True)
     return 0 if all(r["ratio"] >= r["goal"] for r in rows) else 1
@@ -173,7 +182,9 @@ def main(argv=None) -> int:
 def write_report(rows: list[dict], args) -> None:
     date = datetime.date.today().isoformat()
     cmd = "python scripts/bench_capacity.py" + (
-        f" --budget-gib {args.budget_gib[0]:g} {args.budget_gib[1]:g}" if tuple(args.budget_gib) != (6.0, 2.0) else "")
+        f" --budget-gib {args.budget_gib[0]:g} {args.budget_gib[1]:g}" if tuple(args.budget_gib) != (6.0, 2.0) else "") + (
+        f" --rotations {args.rotations}" if args.rotations else "") + (
+        f" --geometries {' '.join(args.geometries)}" if args.geometries != ["smollm2", "d128"] else "")
     (args.out / "capacity.json").write_text(json.dumps({"date": date, "command": cmd, "rows": rows}, indent=2))
     lines = ["# KV capacity and CPU decode speed: oscar-int2 vs BF16 on the real SGLang server", "",
              "Two servers per geometry, one after the other, with the same fixed KV memory budget "
@@ -183,12 +194,12 @@ def write_report(rows: list[dict], args) -> None:
              "with the budget: `ratio = format ratio x (1 - hot pool / budget)`. 'predicted' is that byte "
              "math (`oscar_sglang/sglang/sizing.py`), an independent check of what SGLang reported.", "",
              f"Measured {date} with `{cmd}` (2-core CPU machine, SGLang 0.5.23 CPU engine).", "",
-             "| geometry | budget | BF16 tokens | INT2 tokens | ratio | goal | format ratio | predicted INT2 | "
-             "hot pool |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| geometry | rows | budget | BF16 tokens | INT2 tokens | ratio | goal | format ratio | predicted INT2 | "
+             "hot pool |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         e = r["expected"]
         lines.append(f"| {r['geometry']} (L={e['layers']}, KV heads={e['kv_heads']}, d={e['head_dim']}) | "
-                     f"{r['budget_gib']:g} GiB | {r['bf16']['capacity']:,} | {r['int2']['capacity']:,} | "
+                     f"{e['bits_per_element']:.4g} bits/elt: {e['formats']} | {r['budget_gib']:g} GiB | {r['bf16']['capacity']:,} | {r['int2']['capacity']:,} | "
                      f"**{r['ratio']:.2f}x** | >= {r['goal']:g}x | {r['format_ratio']:.2f}x | {e['int2']:,} | "
                      f"{e['hot_bytes'] / 2**20:.0f} MiB |")
     lines += ["", f"Decode on the CPU server ({args.prompt_tokens}-token prompts, {args.new_tokens} new tokens "

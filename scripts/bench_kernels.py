@@ -16,7 +16,8 @@ Measured in the same run:
   written / time is the physical ceiling every decode row is compared to
   ("% copy" = (bytes the kernel must read / time) / (copy bytes read+written / time));
 * INT2: ``kernels/decode/triton_kernel.py`` (bytes: codes, scales/zeros, hot
-  rows, slot and hot indices);
+  rows, slot and hot indices), and the same kernel over a store with INT4 keys
+  (one group per row) and INT2 values ("INT4-K"; only the keys' codes differ);
 * BF16 baselines (bytes: K and V, plus their page/slot tables):
   ``triton_bf16`` our split-K Triton decode over the same paged layout
   (``kernels/decode/bf16_baseline.py``); ``sdpa`` torch
@@ -31,7 +32,7 @@ Measured in the same run:
   best BF16 = the fastest that ran; speedup = best BF16 time / INT2 time.
   Every baseline's output is checked against ``triton_bf16`` on every case.
 * a tile sweep (block_n x num_warps x num_stages) of the two Triton decodes on
-  two cases, and the write kernel's throughput.
+  two cases, and the write kernel's throughput (INT2, and INT4 keys + INT2 values).
 
 Timing: ``triton.testing.do_bench`` (median, ``--warmup``/``--rep`` ms, L2
 flushed between calls), eager launches (no CUDA graphs), so the smallest cases
@@ -66,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes under the Triton interpreter (auto without CUDA)")
     p.add_argument("--max-gib", type=float, default=40.0,
                    help="skip decode cases whose BF16 K+V cache exceeds this (GiB); peak GPU memory is about "
-                        "2.2x it (paged + dense copy + INT2 store)")
+                        "2.3x it (paged + dense copy + INT2 store + INT4 keys)")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--gqa", type=int, default=4, help="query heads per KV head")
     p.add_argument("--copy-gib", type=float, default=2.0, help="buffer size of the copy-bandwidth measurement")
@@ -112,7 +113,9 @@ SINK, RECENT, PAGE = 64, 256, bl.PAGE
 GQA = ARGS.gqa
 DIMS = [128, 64]
 BASELINES = ("triton_bf16", "sdpa", "flashinfer")
-LABEL = {"int2": "INT2", "triton_bf16": "Triton BF16", "sdpa": "SDPA", "flashinfer": "FlashInfer"}
+LABEL = {"int2": "INT2", "int4k": "INT4-K", "triton_bf16": "Triton BF16", "sdpa": "SDPA", "flashinfer": "FlashInfer"}
+# the second quantized variant: keys INT4 (one group per row), values INT2 as in the INT2 rows
+INT4_KEYS = fmt.RowFormat(4)
 TOL_BASELINE = 2e-2  # max |o - o_triton_bf16| / max |o_triton_bf16| (bf16 outputs)
 
 if SMOKE:
@@ -149,18 +152,31 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def random_store(num_slots: int, d: int) -> tuple[layout.LayerStore, torch.Tensor, torch.Tensor]:
-    """An INT2 store with random codes/scales (timing does not depend on values) and BF16 baseline buffers."""
+def random_rows(num_slots: int, d: int, form: fmt.RowFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``codes, scale, zero`` of one side in ``form`` (timing does not depend on values)."""
+    codes, scale, zero = layout.row_tensors(num_slots, KV_HEADS, d, form, DEVICE)
+    codes.copy_(torch.randint(0, 256, codes.shape, dtype=torch.uint8, device=DEVICE))
+    scale.copy_(torch.rand(scale.shape, device=DEVICE) * 0.3 / fmt.max_code(form.bits))
+    zero.copy_(torch.randn(zero.shape, device=DEVICE) * 0.1 - 0.15)
+    return codes, scale, zero
+
+
+def random_store(num_slots: int, d: int) -> tuple[layout.LayerStore, torch.Tensor, torch.Tensor, tuple]:
+    """An INT2 store with random codes/scales, BF16 baseline buffers, and INT4 keys for the INT4-K variant."""
     s = layout.empty_store(num_slots, KV_HEADS, d, None, 0, DEVICE)
-    for t in (s.k_codes, s.v_codes):
-        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, device=DEVICE))
-    for t in (s.k_scale, s.v_scale):
-        t.copy_(torch.rand(t.shape, device=DEVICE) * 0.1)
-    for t in (s.k_zero, s.v_zero):
-        t.copy_(torch.randn(t.shape, device=DEVICE) * 0.1 - 0.15)
+    for codes, scale, zero in ((s.k_codes, s.k_scale, s.k_zero), (s.v_codes, s.v_scale, s.v_zero)):
+        for t, new in zip((codes, scale, zero), random_rows(num_slots, d, fmt.RowFormat(2))):
+            t.copy_(new)
     kb = torch.randn(num_slots, KV_HEADS, d, device=DEVICE, dtype=torch.bfloat16)
     vb = torch.randn(num_slots, KV_HEADS, d, device=DEVICE, dtype=torch.bfloat16)
-    return s, kb, vb
+    return s, kb, vb, random_rows(num_slots, d, INT4_KEYS)
+
+
+def with_keys(store: layout.LayerStore, keys: tuple) -> layout.LayerStore:
+    """The same store (values, hot rows, hot_index shared) with other key rows ``(codes, scale, zero)``."""
+    fields = {f: getattr(store, f) for f in store.__dataclass_fields__}
+    fields.update(k_codes=keys[0], k_scale=keys[1], k_zero=keys[2])
+    return layout.LayerStore(**fields)
 
 
 def with_hot(store: layout.LayerStore, entries: int) -> layout.LayerStore:
@@ -181,10 +197,13 @@ def kv_bytes(batch: int, ctx: int, d: int) -> int:
 def read_bytes(batch: int, ctx: int, d: int, hot_per_req: int) -> dict[str, int]:
     """Bytes each kernel must read (the query and output are negligible and not counted)."""
     h = KV_HEADS
-    cold = batch * (ctx - hot_per_req) * h * 2 * fmt.bytes_per_row(d)
+    cold_rows = batch * (ctx - hot_per_req) * h
+    cold = cold_rows * 2 * fmt.bytes_per_row(d)
+    cold4 = cold_rows * (INT4_KEYS.bytes_per_row(d) + fmt.bytes_per_row(d))
     hot = batch * hot_per_req * h * 2 * 2 * d
     kv = kv_bytes(batch, ctx, d)
     return {"int2": cold + hot + batch * ctx * (4 + 4),  # + req_to_token + hot_index
+            "int4k": cold4 + hot + batch * ctx * (4 + 4),
             "triton_bf16": kv + batch * ctx * 4,  # + req_to_token
             "sdpa": kv,
             "flashinfer": kv + batch * -(-ctx // PAGE) * 4}  # + page indices
@@ -196,23 +215,28 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_correctness() -> dict:
-    """Triton vs torch reference on a small case (the first GPU run's sanity check)."""
+    """Triton vs torch reference on a small case (the first GPU run's sanity check), INT2 and INT4-K stores."""
     d, lens = 128, [1, 17, 300]
     paged = scenario.paged_layout(lens, PAGE, 0, device=DEVICE)
     rot = scenario.random_rotation(KV_HEADS, d, 0, device=DEVICE)
     slots = torch.cat([paged.slots(b) for b in range(len(lens))])
     k, v = scenario.random_kv(len(slots), KV_HEADS, d, 0, DEVICE)
-    ref = layout.empty_store(paged.num_slots, KV_HEADS, d, None, len(slots), DEVICE)
-    hot_loc = scenario.assign_hot(ref, paged, SINK // 8, RECENT // 8)[slots]
-    out = ref.clone()
-    write_ref.write_kv(k, v, slots, ref, rot, hot_loc)
-    write_tk.write_kv(k, v, slots, out, rot, hot_loc)
-    mism = max((fmt.unpack(getattr(ref, c)) != fmt.unpack(getattr(out, c))).float().mean().item()
-               for c in ("k_codes", "v_codes"))
     q = torch.randn(len(lens), KV_HEADS * GQA, d, device=DEVICE)
-    args = (q, ref, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
-    err = (decode_tk.decode_attention(*args, d**-0.5) - decode_ref.decode_attention(*args, d**-0.5)).abs().max()
-    return {"write_code_mismatch_fraction": mism, "decode_max_abs_err": err.item()}
+    mism, err = {}, {}
+    for name, kf in (("int2", None), ("int4k", INT4_KEYS)):
+        ref = layout.empty_store(paged.num_slots, KV_HEADS, d, None, len(slots), DEVICE, k_format=kf)
+        hot_loc = scenario.assign_hot(ref, paged, SINK // 8, RECENT // 8)[slots]
+        out = ref.clone()
+        write_ref.write_kv(k, v, slots, ref, rot, hot_loc)
+        write_tk.write_kv(k, v, slots, out, rot, hot_loc)
+        mism[name] = max((fmt.unpack(getattr(ref, c), f.bits) != fmt.unpack(getattr(out, c), f.bits))
+                         .float().mean().item()
+                         for c, f in (("k_codes", ref.k_format), ("v_codes", ref.v_format)))
+        args = (q, ref, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+        err[name] = (decode_tk.decode_attention(*args, d**-0.5)
+                     - decode_ref.decode_attention(*args, d**-0.5)).abs().max().item()
+    return {"write_code_mismatch_fraction": max(mism.values()), "decode_max_abs_err": max(err.values()),
+            "per_format": {n: {"write_code_mismatch_fraction": mism[n], "decode_max_abs_err": err[n]} for n in mism}}
 
 
 def cases(d: int) -> tuple[list[tuple[int, int]], list[dict]]:
@@ -245,7 +269,7 @@ def bench_decode(copy_GBps: float, sdpa: bl.Sdpa, fi: bl.FlashInferDecode, probl
         num_slots = (-(-most // PAGE) + max(BATCHES) + 1) * PAGE  # every case's pages (last pages may be partial)
         dense_elems = max(b * KV_HEADS * c * d for b, c in fits)
         try:
-            store, kb, vb = random_store(num_slots, d)
+            store, kb, vb, k4 = random_store(num_slots, d)
             flat_k = torch.empty(dense_elems, dtype=torch.bfloat16, device=DEVICE)
             flat_v = torch.empty(dense_elems, dtype=torch.bfloat16, device=DEVICE)
         except torch.OutOfMemoryError:
@@ -262,8 +286,8 @@ def bench_decode(copy_GBps: float, sdpa: bl.Sdpa, fi: bl.FlashInferDecode, probl
                                 "reason": f"time budget --budget-s {ARGS.budget_s:g} s spent"})
                 continue
             try:  # one failing case (e.g. out of memory) is listed, the others still run
-                done.append(decode_case(d, batch, ctx, scale, store, kb, vb, flat_k, flat_v, rot, sdpa, fi,
-                                        problems))
+                done.append(decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sdpa,
+                                        fi, problems))
             except Exception as e:  # noqa: BLE001
                 reason = f"failed: {type(e).__name__}: {str(e)[:300]}"
                 skipped.append({"d": d, "batch": batch, "context": ctx, "reason": reason})
@@ -279,7 +303,7 @@ def bench_decode(copy_GBps: float, sdpa: bl.Sdpa, fi: bl.FlashInferDecode, probl
         for row, _ in done:
             finish_row(row, copy_GBps)
             rows.append(row)
-        del store, kb, vb, done
+        del store, k4, kb, vb, done
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -293,8 +317,9 @@ def _case_inputs(d, batch, ctx, store):
     return paged, hot_per_req, st, q
 
 
-def decode_case(d, batch, ctx, scale, store, kb, vb, flat_k, flat_v, rot, sdpa, fi, problems) -> tuple[dict, dict]:
-    """INT2, Triton BF16 and SDPA on one case: the row, and what the FlashInfer pass needs."""
+def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sdpa, fi,
+                problems) -> tuple[dict, dict]:
+    """INT2, INT4-K, Triton BF16 and SDPA on one case: the row, and what the FlashInfer pass needs."""
     paged, hot_per_req, st, q = _case_inputs(d, batch, ctx, store)
     targs = (paged.req_to_token, paged.req_pool_indices, paged.seq_lens, scale)
     row = {"d": d, "gqa": GQA, "q_heads": KV_HEADS * GQA, "kv_heads": KV_HEADS, "batch": batch, "context": ctx,
@@ -303,6 +328,8 @@ def decode_case(d, batch, ctx, scale, store, kb, vb, flat_k, flat_v, rot, sdpa, 
     where = f"d={d} batch={batch} ctx={ctx}"
 
     row["int2_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx))
+    st4 = with_keys(st, k4)  # the same tokens, hot rows and values; INT4 keys
+    row["int4k_ms"] = timed(lambda: decode_tk.decode_attention(q, st4, rot, *targs, max_seq_len=ctx))
 
     def tbf16():
         return bf16_baseline.decode_attention_bf16(q, kb, vb, *targs, max_seq_len=ctx)
@@ -342,7 +369,8 @@ def decode_case(d, batch, ctx, scale, store, kb, vb, flat_k, flat_v, rot, sdpa, 
     err = row.get("sdpa_rel_err")
     if err is not None and not err < TOL_BASELINE:
         problems.append(f"{where}: sdpa differs from triton_bf16 by {err:.2e} (relative) > {TOL_BASELINE}")
-    print(f"decode {where}: int2 {row['int2_ms']:.3f} ms, triton_bf16 {row['triton_bf16_ms']:.3f} ms, "
+    print(f"decode {where}: int2 {row['int2_ms']:.3f} ms, int4k {row['int4k_ms']:.3f} ms, "
+          f"triton_bf16 {row['triton_bf16_ms']:.3f} ms, "
           f"sdpa {row['sdpa_ms'] if row['sdpa_ms'] is None else round(row['sdpa_ms'], 3)} ms "
           f"[{row.get('sdpa_backend', '-')}]", flush=True)
     return row, {"q": q, "ref": ref, "table": table}
@@ -385,13 +413,15 @@ def finish_row(row: dict, copy_GBps: float) -> None:
     ran = {n: t for n, t in times.items() if t is not None}
     best = min(ran, key=ran.get)
     row.update(best_bf16=best, best_bf16_ms=ran[best], speedup=ran[best] / row["int2_ms"],
-               speedup_vs_triton_bf16=row["triton_bf16_ms"] / row["int2_ms"])
-    for name, t in [("int2", row["int2_ms"]), *times.items()]:
+               speedup_vs_triton_bf16=row["triton_bf16_ms"] / row["int2_ms"],
+               speedup_int4k=ran[best] / row["int4k_ms"])
+    for name, t in [("int2", row["int2_ms"]), ("int4k", row["int4k_ms"]), *times.items()]:
         row[f"{name}_MB"] = nbytes[name] / 1e6
         row[f"{name}_GBps"] = nbytes[name] / t / 1e6 if t else None
         row[f"{name}_copy_frac"] = row[f"{name}_GBps"] / copy_GBps if t else None
     print(f"decode d={row['d']} batch={row['batch']} ctx={row['context']}: INT2 {row['int2_ms']:.3f} ms "
-          f"({row['int2_copy_frac']:.1%} of copy), best BF16 {best} {ran[best]:.3f} ms "
+          f"({row['int2_copy_frac']:.1%} of copy), INT4-K {row['int4k_ms']:.3f} ms "
+          f"({row['int4k_copy_frac']:.1%}), best BF16 {best} {ran[best]:.3f} ms "
           f"({row[f'{best}_copy_frac']:.1%}), speedup x{row['speedup']:.2f}", flush=True)
 
 
@@ -419,15 +449,18 @@ def bench_write() -> list[dict]:
     rows = []
     for d in DIMS:
         rot = scenario.random_rotation(KV_HEADS, d, 0, device=DEVICE)
-        for n in WRITE_TOKENS:
-            store = layout.empty_store(n + 1, KV_HEADS, d, None, n, DEVICE)
-            k, v = scenario.random_kv(n, KV_HEADS, d, 0, DEVICE)
-            slots = torch.randperm(n, device=DEVICE) + 1
-            hot_loc = torch.arange(n, device=DEVICE)
-            t = timed(lambda: write_tk.write_kv(k, v, slots, store, rot, hot_loc))
-            moved = n * KV_HEADS * (2 * 2 * d + 2 * fmt.bytes_per_row(d) + 2 * 2 * d)  # read bf16, write int2 + hot
-            rows.append({"d": d, "tokens": n, "ms": t, "tokens_per_s": n / t * 1e3, "GBps": moved / t / 1e6})
-            print(f"write d={d} n={n}: {t:.3f} ms", flush=True)
+        for name, kf in (("int2", None), ("int4k", INT4_KEYS)):
+            for n in WRITE_TOKENS:
+                store = layout.empty_store(n + 1, KV_HEADS, d, None, n, DEVICE, k_format=kf)
+                k, v = scenario.random_kv(n, KV_HEADS, d, 0, DEVICE)
+                slots = torch.randperm(n, device=DEVICE) + 1
+                hot_loc = torch.arange(n, device=DEVICE)
+                t = timed(lambda: write_tk.write_kv(k, v, slots, store, rot, hot_loc))
+                rows_out = store.k_format.bytes_per_row(d) + store.v_format.bytes_per_row(d)
+                moved = n * KV_HEADS * (2 * 2 * d + rows_out + 2 * 2 * d)  # read bf16, write rows + hot
+                rows.append({"d": d, "formats": name, "tokens": n, "ms": t, "tokens_per_s": n / t * 1e3,
+                             "GBps": moved / t / 1e6})
+                print(f"write d={d} {name} n={n}: {t:.3f} ms", flush=True)
     return rows
 
 
@@ -464,8 +497,9 @@ def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: l
              f"{ARGS.flashinfer_tensor_cores}) over the Triton BF16 baseline's own paged buffers: "
              f"{meta['flashinfer_status']}.",
              f"- SDPA backends that refused: {'; '.join(meta['sdpa_refused']) or 'none'}.",
-             f"- Correctness: write code mismatch fraction {check['write_code_mismatch_fraction']:.2e}, INT2 decode "
-             f"max abs error vs torch reference {check['decode_max_abs_err']:.2e}; baseline outputs vs Triton BF16, "
+             f"- Correctness (INT2 and INT4-K stores, the worse of the two): write code mismatch fraction "
+             f"{check['write_code_mismatch_fraction']:.2e}, decode max abs error vs torch reference "
+             f"{check['decode_max_abs_err']:.2e}; baseline outputs vs Triton BF16, "
              f"max relative difference over all cases: " + ", ".join(
                  f"{LABEL[n]} {max(es):.1e}" for n in ("sdpa", "flashinfer")
                  if (es := [r[f'{n}_rel_err'] for r in decode if r.get(f'{n}_rel_err') is not None])) + ".", ""]
@@ -476,25 +510,28 @@ def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: l
     if problems:
         lines += ["**Problems:**", ""] + [f"- {p}" for p in problems] + [""]
     lines += ["## Decode time (ms; bold = fastest BF16)", "",
-              "speedup = fastest BF16 / INT2.", "",
-              "| d | batch | context | BF16 K+V GiB | splits | INT2 | Triton BF16 | SDPA | SDPA backend | FlashInfer "
-              "| speedup | vs Triton BF16 |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "speedup = fastest BF16 / INT2; INT4-K = the same kernel with INT4 keys (one group per row) and "
+              "INT2 values, its speedup likewise.", "",
+              "| d | batch | context | BF16 K+V GiB | splits | INT2 | INT4-K | Triton BF16 | SDPA | SDPA backend "
+              "| FlashInfer | speedup | INT4-K speedup | vs Triton BF16 |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in decode:
         lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {r['bf16_kv_GiB']:.3g} | {r['splits']} | "
-                     f"{r['int2_ms']:.3f} | {_ms(r, 'triton_bf16')} | {_ms(r, 'sdpa')} | "
+                     f"{r['int2_ms']:.3f} | {r['int4k_ms']:.3f} | {_ms(r, 'triton_bf16')} | {_ms(r, 'sdpa')} | "
                      f"{r.get('sdpa_backend', 'n/a')} | {_ms(r, 'flashinfer')} | {r['speedup']:.2f} | "
-                     f"{r['speedup_vs_triton_bf16']:.2f} |")
+                     f"{r['speedup_int4k']:.2f} | {r['speedup_vs_triton_bf16']:.2f} |")
     lines += ["", "## Decode bandwidth as a fraction of the measured copy bandwidth", "",
               "% copy = (bytes the kernel must read / its time) / (copy bytes read + written / copy time), "
               f"copy = {copy['GBps_read_plus_write']:.0f} GB/s. Bytes: INT2 = codes + scales/zeros + hot BF16 rows + "
-              "req_to_token + hot_index; BF16 = K + V (+ slot table for Triton BF16, + page indices for FlashInfer).",
-              "", "| d | batch | context | INT2 MB | BF16 MB | INT2 GB/s | INT2 % copy | Triton BF16 % copy | "
-              "SDPA % copy | FlashInfer % copy |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "req_to_token + hot_index (INT4-K likewise, with INT4 key codes); BF16 = K + V (+ slot table for "
+              "Triton BF16, + page indices for FlashInfer).",
+              "", "| d | batch | context | INT2 MB | INT4-K MB | BF16 MB | INT2 GB/s | INT2 % copy | INT4-K % copy | "
+              "Triton BF16 % copy | SDPA % copy | FlashInfer % copy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in decode:
-        lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {r['int2_MB']:.4g} | {r['sdpa_MB']:.4g} | "
-                     f"{r['int2_GBps']:.4g} | {_pct(r, 'int2')} | {_pct(r, 'triton_bf16')} | {_pct(r, 'sdpa')} | "
+        lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {r['int2_MB']:.4g} | {r['int4k_MB']:.4g} | "
+                     f"{r['sdpa_MB']:.4g} | {r['int2_GBps']:.4g} | {_pct(r, 'int2')} | {_pct(r, 'int4k')} | "
+                     f"{_pct(r, 'triton_bf16')} | {_pct(r, 'sdpa')} | "
                      f"{_pct(r, 'flashinfer')} |")
     if skipped:
         lines += ["", "## Skipped decode cases", "", "| d | batch | context | reason |", "|---|---|---|---|"]
@@ -507,13 +544,15 @@ def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: l
             lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {r['block_n']} | {r['num_warps']} | "
                          f"{r['num_stages']} | {_ms(r, 'int2')} | {_ms(r, 'triton_bf16')} |")
     lines += ["", "## Write kernel (one layer, K and V, every token also hot)", "",
-              "| d | tokens | ms | tokens/s | GB/s moved |", "|---|---|---|---|---|"]
+              "| d | formats | tokens | ms | tokens/s | GB/s moved |", "|---|---|---|---|---|---|"]
     for r in write:
-        lines.append(f"| {r['d']} | {r['tokens']} | {r['ms']:.3f} | {r['tokens_per_s']:.3g} | {r['GBps']:.3g} |")
+        lines.append(f"| {r['d']} | {LABEL[r['formats']]} | {r['tokens']} | {r['ms']:.3f} | "
+                     f"{r['tokens_per_s']:.3g} | {r['GBps']:.3g} |")
     return "\n".join(lines) + "\n"
 
 
-STYLE = {"int2": ("-", "o"), "triton_bf16": ("--", "x"), "sdpa": (":", "^"), "flashinfer": ("-.", "s")}
+STYLE = {"int2": ("-", "o"), "int4k": ("-", "d"), "triton_bf16": ("--", "x"), "sdpa": (":", "^"),
+         "flashinfer": ("-.", "s")}
 
 
 def plot(decode: list[dict], path: Path) -> None:
@@ -548,7 +587,7 @@ def plot(decode: list[dict], path: Path) -> None:
                 if i == len(BATCHES) - 1:
                     ax.set_xlabel("context (tokens)")
     axes[0, 0].legend(fontsize=7)
-    fig.suptitle(f"INT2 vs BF16 decode, GQA {GQA}:1, {KV_HEADS} KV heads"
+    fig.suptitle(f"INT2 and INT4-K vs BF16 decode, GQA {GQA}:1, {KV_HEADS} KV heads"
                  + (" - INTERPRETER, not GPU speed" if SMOKE else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -274,3 +274,61 @@ def test_a_pickle_is_never_unpickled(saved, monkeypatch):
     monkeypatch.setattr(torch, "load", refuse)
     with pytest.raises(art.ArtifactError, match=r"rotations\.safetensors: unreadable safetensors file"):
         art.load(saved)
+
+
+# ---- format version 2: per-layer row formats (a precision policy) ----
+
+def _mixed_formats():
+    from oscar_sglang.format import RowFormat
+    return [art.LayerFormat(RowFormat(2, 16), RowFormat(2, 16)),
+            art.LayerFormat(RowFormat(4, 32), RowFormat(2, 8)),
+            art.LayerFormat(RowFormat(8, 32), RowFormat(4, 16))]
+
+
+def test_layer_formats_round_trip_and_accounting(tmp_path):
+    a = _random_artifact().with_formats(_mixed_formats())
+    art.save(a, tmp_path / "rot")
+    b = art.load(tmp_path / "rot", expect=FP)
+    assert b.layer_formats == _mixed_formats()
+    # bits per element: layer 0 (2 + 2) / 1, layer 1 (4 + 1 + 2 + 4) / 2, layer 2 (8 + 1 + 4 + 2) / 2
+    expected = (4.0 + 5.5 + 7.5) / 3
+    assert b.bits_per_element == pytest.approx(expected)
+    assert json.loads((tmp_path / "rot" / art.MANIFEST).read_text())["bits_per_element"] == pytest.approx(expected)
+    # bytes per token: kv_heads * (codes + 4 bytes per group) per side and layer, d = 32
+    rows = [(8 + 8, 8 + 8), (16 + 4, 8 + 16), (32 + 4, 16 + 8)]
+    assert b.bytes_per_token() == 2 * sum(k + v for k, v in rows)
+    assert b.bytes_per_token(kv_heads=1) == sum(k + v for k, v in rows)
+    assert b.policy_summary() == "int2/g16 (1 K, 1 V), int2/g8 (1 V), int4 (1 K), int4/g16 (1 V), int8 (1 K)"
+
+
+def test_version_1_artifacts_load_as_int2_everywhere(saved):
+    def v1(m):
+        m["format_version"] = 1
+        del m["layer_formats"]
+
+    _rewrite_manifest(saved, v1)
+    b = art.load(saved)
+    from oscar_sglang.format import RowFormat
+    assert b.layer_formats == [art.LayerFormat(RowFormat(2, 16), RowFormat(2, 16))] * 3
+    assert b.bits_per_element == 4.0
+
+
+@pytest.mark.parametrize("entry,match", [
+    ({"k": {"bits": 3, "group": 16}, "v": {"bits": 2, "group": 16}}, r"layer_formats\[1\]\.k must be"),
+    ({"k": {"bits": 2, "group": 16}, "v": {"bits": 2, "group": 12}}, r"layer_formats\[1\]\.v: group size 12"),
+    ({"k": {"bits": 2, "group": 10**9}, "v": {"bits": 2, "group": 16}}, r"layer_formats\[1\]\.k must be"),
+    ({"k": {"bits": "4", "group": 16}, "v": {"bits": 2, "group": 16}}, r"layer_formats\[1\]\.k must be"),
+    ("int4", r"layer_formats\[1\]\.k must be"),
+])
+def test_bad_layer_formats_are_refused(saved, no_tensor_load, entry, match):
+    _rewrite_manifest(saved, lambda m: m["layer_formats"].__setitem__(1, entry))
+    with pytest.raises(art.ArtifactError, match=match):
+        art.load(saved)
+
+
+def test_layer_formats_must_cover_every_layer(saved, no_tensor_load):
+    _rewrite_manifest(saved, lambda m: m["layer_formats"].pop())
+    with pytest.raises(art.ArtifactError, match=r"layer_formats must list one entry per layer \(3\), got 2"):
+        art.load(saved)
+    with pytest.raises(art.ArtifactError, match="row formats for 2 layers"):
+        _random_artifact().with_formats(_mixed_formats()[:2])

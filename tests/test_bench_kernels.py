@@ -185,6 +185,9 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
         assert row["flashinfer_ms"] > 0 and row["flashinfer_rel_err"] < 2e-2
         assert row["best_bf16"] in ("triton_bf16", "sdpa", "flashinfer") and row["speedup"] > 0
         assert row["smoke_page_table_vs_fp32"] < 1e-3 and row["smoke_triton_bf16_vs_fp32"] < 2e-2
+        assert row["int4k_ms"] > 0 and row["int4k_MB"] > row["int2_MB"] and row["speedup_int4k"] > 0
+    assert set(data["check"]["per_format"]) == {"int2", "int4k"}
+    assert {(r["d"], r["formats"]) for r in data["write"]} == {(d, f) for d in (64, 128) for f in ("int2", "int4k")}
     assert (tmp_path / "bench_kernels_cpu_smoke.png").stat().st_size > 0
     md = (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
-    assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md
+    assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md and "INT4-K" in md

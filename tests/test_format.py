@@ -1,4 +1,4 @@
-"""The INT2 row format against its definition (oscar_sglang/format.py docstring)."""
+"""The quantized row format (INT2, INT4, INT8) against its definition (oscar_sglang/format.py docstring)."""
 
 import itertools
 
@@ -26,8 +26,9 @@ def test_packing_order_is_little_endian_within_the_byte():
     assert packed.tolist() == [[1 | 2 << 2 | 3 << 4 | 0 << 6, 3 | 3 << 2 | 0 << 4 | 1 << 6]]
 
 
-def _reference_quantize(x, group, clip=None):
+def _reference_quantize(x, group, clip=None, bits=2):
     """Scalar-by-scalar restatement of the format, independent of the vectorised code."""
+    top = 2 ** bits - 1
     d = x.shape[-1]
     rows = x.reshape(-1, d).double()
     out = torch.empty_like(rows)
@@ -41,8 +42,8 @@ def _reference_quantize(x, group, clip=None):
                 g = g.clamp(mid - half, mid + half)
                 lo, hi = g.min().item(), g.max().item()
             zero = torch.tensor(lo).half().double().item()
-            scale = torch.tensor((hi - zero) / 3).half().double().item()
-            c = torch.zeros_like(g) if scale == 0 else torch.round((g - zero) / scale).clamp(0, 3)
+            scale = torch.tensor((hi - zero) / top).half().double().item()
+            c = torch.zeros_like(g) if scale == 0 else torch.round((g - zero) / scale).clamp(0, top)
             out[i, gi * group:(gi + 1) * group] = zero + c * scale
             scales[i, gi] = scale
     return out.reshape(x.shape), scales
@@ -144,3 +145,59 @@ def test_storage_accounting():
     assert fmt.bits_per_element(128) == 2.25
     assert fmt.bytes_per_row(64) == 16 + 4
     assert fmt.bytes_per_row(128, 32) == 32 + 16
+
+
+# --- wider rows: INT4 and INT8 -------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_unpack_wider_codes_every_pattern(bits):
+    per = 8 // bits
+    patterns = torch.tensor(list(itertools.product(range(2 ** bits), repeat=per)), dtype=torch.uint8)
+    packed = fmt.pack(patterns, bits)
+    assert packed.shape == (256, 1)
+    assert sorted(packed.flatten().tolist()) == list(range(256))
+    assert torch.equal(fmt.unpack(packed, bits), patterns)
+
+
+def test_int4_packing_order_low_nibble_first():
+    codes = torch.tensor([[1, 15, 7, 0]], dtype=torch.uint8)
+    assert fmt.pack(codes, 4).tolist() == [[1 | 15 << 4, 7]]
+    assert fmt.pack(codes, 8).tolist() == [[1, 15, 7, 0]]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group,clip", [(None, None), (32, None), (16, 0.8)])
+def test_wider_rows_match_the_scalar_definition(bits, group, clip):
+    torch.manual_seed(bits)
+    x = torch.randn(6, 2, 64) * torch.linspace(0.2, 3, 64)
+    x[0, 1, 7] = -25.0
+    q = fmt.quantize(x, group, clip, bits=bits)
+    g = group or 64
+    assert q.bits == bits and q.dim == 64 and q.group_size == g
+    assert q.codes.shape == (6, 2, 64 * bits // 8) and q.scale.shape == (6, 2, 64 // g)
+    assert int(fmt.unpack(q.codes, bits).max()) <= 2 ** bits - 1
+    ref, scales = _reference_quantize(x, g, clip, bits)
+    assert torch.allclose(fmt.dequantize(q).double(), ref, atol=1e-6)
+    assert torch.allclose(q.scale.double().reshape(-1, 64 // g), scales, atol=0)
+    assert torch.allclose(fmt.fake_quantize(x, group, clip, bits=bits).double(), ref, atol=1e-6)
+
+
+def test_more_bits_cut_the_error_by_the_level_ratio():
+    torch.manual_seed(5)
+    x = torch.randn(512, 64)
+    err = {b: (fmt.fake_quantize(x, bits=b) - x).square().mean().sqrt().item() for b in (2, 4, 8)}
+    # uniform rounding error is step / sqrt(12) with step = range / (2^b - 1)
+    assert 3.0 < err[2] / err[4] < 7.0 and 12.0 < err[4] / err[8] < 22.0
+
+
+def test_row_format_accounting_and_names():
+    f = fmt.RowFormat(4)
+    assert f.bytes_per_row(128) == 64 + 4 and f.bits_per_element(128) == 4.25
+    assert fmt.RowFormat(2, 32).bytes_per_row(64) == 16 + 8 and fmt.RowFormat(2, 32).bits_per_element(64) == 3.0
+    assert fmt.RowFormat(8, 64).bytes_per_row(64) == 64 + 4
+    assert fmt.RowFormat(2).name(64) == "int2" and fmt.RowFormat(2, 16).name(64) == "int2/g16"
+    assert fmt.RowFormat(4, 64).resolved(64) == fmt.RowFormat(4, 64) == fmt.RowFormat(4).resolved(64)
+    with pytest.raises(ValueError, match="bits"):
+        fmt.RowFormat(3)
+    with pytest.raises(ValueError, match="divide"):
+        fmt.RowFormat(2, 48).resolved(64)

@@ -3,6 +3,10 @@
 Tolerance: |o - o_ref| <= 1e-4 + 1e-4 |o_ref| with fp32 queries on CPU (1e-2 on a GPU: TF32 dots) (the
 interpreter computes every dot in fp32; the reference dequantizes and runs
 plain attention).  bf16 queries/outputs: within bf16 rounding (2^-7 relative).
+
+Key and value formats rotate through the cases (INT2 with groups d, 64, 32,
+and the mixed pairs: K INT4 + V INT2, K INT2/g16 + V INT4/g32, INT8 both,
+K INT8 + V INT2/g32), each with both head sizes.
 """
 
 import itertools
@@ -11,6 +15,7 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
+from oscar_sglang import format as fmt
 from oscar_sglang.kernels import api, layout, scenario
 from oscar_sglang.kernels.decode import reference
 
@@ -18,11 +23,21 @@ KV = 2
 ATOL = RTOL = 1e-4 if DEVICE == "cpu" else 1e-2  # the GPU's dots are TF32
 
 
-def build(lens, d, group, page, hot, seed, sink=2, recent=4):
-    """A store holding every request's tokens, written by the reference, with sink/recent hot entries."""
+F = fmt.RowFormat
+# (keys, values) per case, rotating; groups None = d, so "64" is d for d = 64
+FORMATS = [(F(2), F(2)), (F(2, 64), F(2, 64)), (F(2, 32), F(2, 32)),
+           (F(4), F(2)), (F(2, 16), F(4, 32)), (F(8), F(8)), (F(8), F(2, 32))]
+
+
+def build(lens, d, group, page, hot, seed, sink=2, recent=4, formats=None):
+    """A store holding every request's tokens, written by the reference, with sink/recent hot entries.
+
+    ``formats``: (keys, values) RowFormats; default INT2 in groups of ``group`` on both sides.
+    """
+    kf, vf = formats or (F(2, group), F(2, group))
     paged = scenario.paged_layout(lens, page, seed, device=DEVICE)
     rot = scenario.random_rotation(KV, d, seed, device=DEVICE)
-    store = layout.empty_store(paged.num_slots, KV, d, group, sum(lens), DEVICE)
+    store = layout.empty_store(paged.num_slots, KV, d, None, sum(lens), DEVICE, k_format=kf, v_format=vf)
     all_slots = torch.cat([paged.slots(b) for b in range(len(lens))])
     k, v = scenario.random_kv(len(all_slots), KV, d, seed, DEVICE)
     if hot:
@@ -35,16 +50,22 @@ def build(lens, d, group, page, hot, seed, sink=2, recent=4):
 
 
 LENS = [1, 2, 15, 17, 37, 50]  # 1, 2, page-1, page+1, odd, and across splits of BLOCK_N=16
-# Full product of d, GQA ratio, page size and hot entries; group size and split count rotate through
-# their values (group d, 64 or 32; 1 to 5 splits) so each appears with both head sizes.
-CASES = [(d, gqa, page, hot, (d, 64, 32)[i % 3], 1 + i % 5)
+# Full product of d, GQA ratio, page size and hot entries; formats and split count rotate through
+# their values (FORMATS; 1 to 5 splits) so each appears with both head sizes.
+CASES = [(d, gqa, page, hot, FORMATS[i % len(FORMATS)], 1 + i % 5)
          for i, (d, gqa, page, hot) in enumerate(itertools.product((64, 128), (1, 3, 8), (1, 16), (True, False)))]
 
 
-@pytest.mark.parametrize("d,gqa,page,hot,group,splits", CASES)
-def test_decode_kernel_matches_reference(d, gqa, page, hot, group, splits):
+def _case_id(c):
+    d, gqa, page, hot, (kf, vf), splits = c
+    return f"d{d}-gqa{gqa}-page{page}-{'hot' if hot else 'cold'}-K{kf.name(d)}-V{vf.name(d)}-s{splits}"
+
+
+@pytest.mark.parametrize("d,gqa,page,hot,formats,splits", CASES, ids=[_case_id(c) for c in CASES])
+def test_decode_kernel_matches_reference(d, gqa, page, hot, formats, splits):
     seed = d + 10 * gqa + page
-    paged, rot, store = build(LENS, d, group, page, hot, seed)
+    paged, rot, store = build(LENS, d, None, page, hot, seed, formats=formats)
+    assert (store.k_format, store.v_format) == (formats[0].resolved(d), formats[1].resolved(d))
     q = torch.randn(len(LENS), KV * gqa, d, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
     ref = reference.decode_attention(*args, d**-0.5)
@@ -72,6 +93,42 @@ def test_decode_bf16_query_and_empty_request():
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # no tokens: zero output, no NaN
     assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
+
+
+@pytest.mark.parametrize("kf,vf", [(F(4), F(2, 32)), (F(8, 16), F(4))], ids=["K4-V2g32", "K8g16-V4"])
+def test_reference_on_a_mixed_store_is_attention_over_the_format_rows(kf, vf):
+    # Independent of read_rotated and of the store's packing: each side's rows are the format's round trip
+    # (fmt.dequantize(fmt.quantize(..., bits=))) of the rotated inputs, hot rows their bf16 copies; plain
+    # attention over those in the rotated space, de-rotated, must equal the decode reference.
+    from oscar_sglang.rotation import derotate_output, rotate_kv, rotate_queries
+
+    lens, d, gqa = [3, 21, 40], 64, 2
+    paged = scenario.paged_layout(lens, 4, 12)
+    rot = scenario.random_rotation(KV, d, 12)
+    store = layout.empty_store(paged.num_slots, KV, d, None, sum(lens), k_format=kf, v_format=vf)
+    slots = torch.cat([paged.slots(b) for b in range(len(lens))])
+    k, v = scenario.random_kv(len(slots), KV, d, 12)
+    hot = scenario.assign_hot(store, paged, 2, 3)[slots] >= 0
+    api.write_kv(k, v, slots, store, rot, store.hot_index[slots], backend="torch")
+    kr, vr = rotate_kv(k, rot.k_rot, rot.k_mean), rotate_kv(v, rot.v_rot)
+    kq = fmt.dequantize(fmt.quantize(kr, kf.group, rot.k_clip[:, None], bits=kf.bits))
+    vq = fmt.dequantize(fmt.quantize(vr, vf.group, rot.v_clip[:, None], bits=vf.bits))
+    kq[hot], vq[hot] = kr[hot].bfloat16().float(), vr[hot].bfloat16().float()
+    assert not torch.equal(kq, kr.bfloat16().float())  # some rows are cold
+    q = torch.randn(len(lens), KV * gqa, d, generator=torch.Generator().manual_seed(12))
+    qr = rotate_queries(q, rot.k_rot)
+    want = torch.zeros_like(qr)
+    first = 0
+    for b, n in enumerate(lens):
+        kb = kq[first:first + n].repeat_interleave(gqa, 1)
+        vb = vq[first:first + n].repeat_interleave(gqa, 1)
+        first += n
+        p = (torch.einsum("hd,thd->ht", qr[b], kb) * d**-0.5).softmax(-1)
+        want[b] = torch.einsum("ht,thd->hd", p, vb)
+    want = derotate_output(want, rot.v_rot)
+    out = reference.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens,
+                                     d**-0.5)
+    assert torch.allclose(out, want, atol=1e-5, rtol=1e-5), (out - want).abs().max()
 
 
 def test_reference_with_every_token_hot_is_plain_attention():

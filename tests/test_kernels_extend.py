@@ -3,6 +3,10 @@
 Tolerance: |o - o_ref| <= 1e-4 + 1e-4 |o_ref| with fp32 inputs on CPU (1e-2 on a GPU: TF32 dots) (fp32 dots in
 the interpreter).  The reference itself is checked against plain causal
 attention (no prefix: everything exact) and against decode.
+
+Key and value formats of the cached prefix rotate through the cases as in
+the decode tests (INT2 with groups d, 64, 32, and the mixed pairs), each with
+both head sizes; the split-K cases use mixed formats.
 """
 
 import itertools
@@ -14,6 +18,7 @@ import pytest
 import torch
 from kernel_device import DEVICE
 
+from oscar_sglang import format as fmt
 from oscar_sglang.kernels import api, layout, scenario
 from oscar_sglang.kernels.extend import reference
 
@@ -21,12 +26,22 @@ KV = 2
 ATOL = RTOL = 1e-4 if DEVICE == "cpu" else 1e-2  # the GPU's dots are TF32
 
 
-def build(prefix, extend, d, group, page, hot, seed, sink=2, recent=4):
-    """Prefixes already in the store (sink/recent hot), plus the new tokens' q, k, v."""
+F = fmt.RowFormat
+# (keys, values) per case, rotating; groups None = d
+FORMATS = [(F(2), F(2)), (F(2, 64), F(2, 64)), (F(2, 32), F(2, 32)),
+           (F(4), F(2)), (F(2, 16), F(4, 32)), (F(8), F(8)), (F(8), F(2, 32))]
+
+
+def build(prefix, extend, d, group, page, hot, seed, sink=2, recent=4, formats=None):
+    """Prefixes already in the store (sink/recent hot), plus the new tokens' q, k, v.
+
+    ``formats``: (keys, values) RowFormats; default INT2 in groups of ``group`` on both sides.
+    """
+    kf, vf = formats or (F(2, group), F(2, group))
     lens = [p + e for p, e in zip(prefix, extend)]
     paged = scenario.paged_layout(lens, page, seed, device=DEVICE)
     rot = scenario.random_rotation(KV, d, seed, device=DEVICE)
-    store = layout.empty_store(paged.num_slots, KV, d, group, sum(lens), DEVICE)
+    store = layout.empty_store(paged.num_slots, KV, d, None, sum(lens), DEVICE, k_format=kf, v_format=vf)
     slots = torch.cat([paged.slots(b)[:p] for b, p in enumerate(prefix)])
     k, v = scenario.random_kv(len(slots), KV, d, seed, DEVICE)
     hot_loc = scenario.assign_hot(store, paged, sink, recent)[slots] if hot else None
@@ -43,15 +58,20 @@ def new_tokens(n, q_heads, d, seed, dtype=torch.float32):
 
 PREFIX = [0, 1, 15, 17, 33]
 EXTEND = [17, 2, 1, 16, 5]  # across BLOCK_M (16 rows / padded group) and BLOCK_N=16
-# Full product of d, GQA ratio, page size and hot entries; group size rotates through d, 64, 32.
-CASES = [(d, gqa, page, hot, (d, 64, 32)[i % 3])
+# Full product of d, GQA ratio, page size and hot entries; formats rotate through FORMATS.
+CASES = [(d, gqa, page, hot, FORMATS[i % len(FORMATS)])
          for i, (d, gqa, page, hot) in enumerate(itertools.product((64, 128), (1, 3, 8), (1, 16), (True, False)))]
 
 
-@pytest.mark.parametrize("d,gqa,page,hot,group", CASES)
-def test_extend_kernel_matches_reference(d, gqa, page, hot, group):
+def _case_id(c):
+    d, gqa, page, hot, (kf, vf) = c
+    return f"d{d}-gqa{gqa}-page{page}-{'hot' if hot else 'cold'}-K{kf.name(d)}-V{vf.name(d)}"
+
+
+@pytest.mark.parametrize("d,gqa,page,hot,formats", CASES, ids=[_case_id(c) for c in CASES])
+def test_extend_kernel_matches_reference(d, gqa, page, hot, formats):
     seed = d + gqa + page
-    paged, rot, store = build(PREFIX, EXTEND, d, group, page, hot, seed)
+    paged, rot, store = build(PREFIX, EXTEND, d, None, page, hot, seed, formats=formats)
     q, k, v = new_tokens(sum(EXTEND), KV * gqa, d, seed)
     pre, ext = torch.tensor(PREFIX, device=DEVICE), torch.tensor(EXTEND, device=DEVICE)
     args = (q, k, v, store, rot, paged.req_to_token, paged.req_pool_indices, pre, ext)
@@ -67,11 +87,17 @@ SPLIT_PREFIX = [0, 1, 16, 17, 47, 95, 130]
 SPLIT_EXTEND = [3, 1, 2, 17, 1, 5, 4]
 
 
-@pytest.mark.parametrize("splits", [2, 3, 7])
-@pytest.mark.parametrize("d,gqa,hot", [(64, 4, True), (128, 1, False)])
-def test_extend_split_along_the_prefix_matches_reference(splits, d, gqa, hot):
+SPLIT_FORMATS = [(F(2), F(2)), (F(4), F(2)), (F(8), F(2, 32))]
+SPLIT_CASES = [(splits, d, gqa, hot, SPLIT_FORMATS[(i + j) % 3])  # formats rotate: each with both d
+               for i, splits in enumerate((2, 3, 7))
+               for j, (d, gqa, hot) in enumerate([(64, 4, True), (128, 1, False)])]
+
+
+@pytest.mark.parametrize("splits,d,gqa,hot,formats", SPLIT_CASES,
+                         ids=[f"s{c[0]}-d{c[1]}-K{c[4][0].name(c[1])}-V{c[4][1].name(c[1])}" for c in SPLIT_CASES])
+def test_extend_split_along_the_prefix_matches_reference(splits, d, gqa, hot, formats):
     seed = 100 + splits + d
-    paged, rot, store = build(SPLIT_PREFIX, SPLIT_EXTEND, d, d, 16, hot, seed)
+    paged, rot, store = build(SPLIT_PREFIX, SPLIT_EXTEND, d, None, 16, hot, seed, formats=formats)
     q, k, v = new_tokens(sum(SPLIT_EXTEND), KV * gqa, d, seed)
     pre, ext = torch.tensor(SPLIT_PREFIX, device=DEVICE), torch.tensor(SPLIT_EXTEND, device=DEVICE)
     args = (q, k, v, store, rot, paged.req_to_token, paged.req_pool_indices, pre, ext)

@@ -6,6 +6,12 @@ matmul may sum in another order, so a value sitting exactly on a rounding
 boundary may land on the other side: we allow at most 0.1% of codes to
 differ (by one level), scales/zeros within one fp16 ulp, hot rows within one
 bf16 ulp (observed: identical).
+
+Keys and values may have different formats (bits 2, 4, 8, their own group):
+the INT2 cases cover every (d, G) pair, the mixed cases every format pair of
+``MIXED`` with both head sizes, identity and random rotations.  The reference
+is checked against ``fmt.quantize(..., bits=)`` directly, so the kernel's
+codes follow the format through it.
 """
 
 
@@ -21,9 +27,15 @@ KV = 2
 MAX_CODE_MISMATCH = 1e-3
 
 
-def _store(d, g, hot_entries, seed, num_slots=96):
-    """A store pre-filled with garbage, to catch writes to the wrong place."""
-    s = layout.empty_store(num_slots, KV, d, g, hot_entries, DEVICE)
+F = fmt.RowFormat
+INT2 = F(2)
+# (keys, values): the format pairs beyond INT2 g=d that every kernel is checked on
+MIXED = [(F(4), F(2)), (F(2, 16), F(4, 32)), (F(8), F(8)), (F(8), F(2, 32))]
+
+
+def _store(d, g, hot_entries, seed, num_slots=96, kf=None, vf=None):
+    """A store pre-filled with garbage, to catch writes to the wrong place (INT2 in groups of ``g`` by default)."""
+    s = layout.empty_store(num_slots, KV, d, g, hot_entries, DEVICE, k_format=kf, v_format=vf)
     gen = torch.Generator().manual_seed(seed)
     for t in (s.k_codes, s.v_codes):
         t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
@@ -50,8 +62,8 @@ def _inputs(n, d, rot, identity, seed):
 
 
 def _compare(a, b, exact):
-    for name in ("k_codes", "v_codes"):
-        ca, cb = fmt.unpack(getattr(a, name)), fmt.unpack(getattr(b, name))
+    for name, bits in (("k_codes", a.k_format.bits), ("v_codes", a.v_format.bits)):
+        ca, cb = fmt.unpack(getattr(a, name), bits), fmt.unpack(getattr(b, name), bits)
         if exact:
             assert torch.equal(ca, cb), name
         else:
@@ -68,34 +80,68 @@ def _compare(a, b, exact):
             assert torch.allclose(x.float(), y.float(), rtol=ulp, atol=1e-6), name
 
 
-CASES = [  # d, group, identity, hot, n: every d/group pair, both rotations, hot on and off, n across BLOCK_T=16
-    (64, 64, True, True, 1),
-    (64, 64, False, False, 17),
-    (64, 32, True, False, 33),
-    (64, 32, False, True, 16),
-    (128, 128, True, False, 2),
-    (128, 128, False, True, 31),
-    (128, 64, True, True, 17),
-    (128, 64, False, False, 5),
-    (128, 32, True, True, 40),
-    (128, 32, False, True, 15),
+CASES = [  # d, keys, values, identity, hot, n: every INT2 d/group pair, both rotations, hot on and off,
+    # n across BLOCK_T=16; then every MIXED pair with both d, once exact (identity) and once rotated
+    (64, F(2, 64), F(2, 64), True, True, 1),
+    (64, F(2, 64), F(2, 64), False, False, 17),
+    (64, F(2, 32), F(2, 32), True, False, 33),
+    (64, F(2, 32), F(2, 32), False, True, 16),
+    (128, F(2, 128), F(2, 128), True, False, 2),
+    (128, F(2, 128), F(2, 128), False, True, 31),
+    (128, F(2, 64), F(2, 64), True, True, 17),
+    (128, F(2, 64), F(2, 64), False, False, 5),
+    (128, F(2, 32), F(2, 32), True, True, 40),
+    (128, F(2, 32), F(2, 32), False, True, 15),
+    *[(d, kf, vf, (i + j) % 2 == 0, j == 0 or i % 2 == 1, (17, 5, 33, 16)[(i + 2 * j) % 4])
+      for i, (kf, vf) in enumerate(MIXED) for j, d in enumerate((64, 128))],
 ]
 
 
-@pytest.mark.parametrize("d,group,identity,hot,n", CASES)
-def test_write_kernel_matches_reference(d, group, identity, hot, n):
-    seed = d + group + n
+def _case_id(c):
+    d, kf, vf, identity, hot, n = c
+    return f"d{d}-K{kf.name(d)}-V{vf.name(d)}-{'eye' if identity else 'rot'}-{'hot' if hot else 'cold'}-n{n}"
+
+
+@pytest.mark.parametrize("d,kf,vf,identity,hot,n", CASES, ids=[_case_id(c) for c in CASES])
+def test_write_kernel_matches_reference(d, kf, vf, identity, hot, n):
+    seed = d + kf.bits + (kf.group or d) + n
     rot = _rotation(d, seed, identity)
     k, v = _inputs(n, d, rot, identity, seed)
     slots = torch.randperm(96, generator=torch.Generator().manual_seed(seed))[:n].to(DEVICE)
     hot_loc = None
     if hot:
         hot_loc = torch.where(torch.arange(n) % 3 == 1, -1, torch.randperm(n)).to(DEVICE)
-    ref = _store(d, group, n, seed)
+    ref = _store(d, None, n, seed, kf=kf, vf=vf)
+    assert (ref.k_format, ref.v_format) == (kf.resolved(d), vf.resolved(d))
     out = ref.clone()
     reference.write_kv(k, v, slots, ref, rot, hot_loc)
     api.write_kv(k, v, slots, out, rot, hot_loc, backend="triton")
     _compare(ref, out, exact=identity)
+
+
+@pytest.mark.parametrize("kf,vf", [(INT2, INT2), *MIXED], ids=lambda f: f.name())
+def test_reference_writes_each_side_in_its_format(kf, vf):
+    # The reference against fmt.quantize(..., bits=) on the rotated rows, side by side: so the kernel, equal
+    # to the reference above, follows the format's rounding for every bit width and group.
+    from oscar_sglang.rotation import rotate_kv
+
+    d, n = 64, 7
+    rot = _rotation(d, 4, identity=False)
+    k, v = _inputs(n, d, rot, False, 4)
+    slots = torch.tensor([9, 3, 40, 1, 77, 12, 5], device=DEVICE)
+    s = _store(d, None, 0, 4, kf=kf, vf=vf)
+    before = s.clone()
+    reference.write_kv(k, v, slots, s, rot)
+    for x, clip, form, side in ((rotate_kv(k, rot.k_rot, rot.k_mean), rot.k_clip, kf, "k"),
+                                (rotate_kv(v, rot.v_rot), rot.v_clip, vf, "v")):
+        want = fmt.quantize(x, form.group, clip.unsqueeze(-1), bits=form.bits)
+        assert want.codes.shape[-1] == d * form.bits // 8
+        for name, t in (("codes", want.codes), ("scale", want.scale), ("zero", want.zero)):
+            got = getattr(s, f"{side}_{name}")
+            assert torch.equal(got[slots], t), (side, name)
+            untouched = torch.ones(s.num_slots, dtype=torch.bool)
+            untouched[slots.cpu()] = False
+            assert torch.equal(got[untouched.to(DEVICE)], getattr(before, f"{side}_{name}")[untouched.to(DEVICE)])
 
 
 def test_constant_rows_quantize_to_zero_codes_and_exact_zero():
@@ -149,27 +195,31 @@ def test_written_rows_dequantize_to_the_rotated_inputs():
     from oscar_sglang.rotation import rotate_kv
 
     kr = rotate_kv(k, rot.k_rot, rot.k_mean)
-    kq = fmt.dequantize(fmt.Int2Rows(s.k_codes, s.k_scale, s.k_zero))
+    kq = fmt.dequantize(fmt.QuantRows(s.k_codes, s.k_scale, s.k_zero))
     step = s.k_scale.float().repeat_interleave(32, -1)
     assert ((kq - kr).abs() <= step / 2 + 1e-2 * step + 1e-3).all()
     assert torch.allclose(s.k_hot.float(), kr, rtol=2**-8, atol=1e-6)
 
 
-def test_ties_round_half_to_even_like_the_format():
-    # Identity rotation, no clipping, a row spanning [0, 3]: scale 1, zero 0, and
-    # values 0.5, 1.5, 2.5 sit exactly on ties (codes 0, 2, 2 under half-to-even).
-    d = 64
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_ties_round_half_to_even_like_the_format(bits):
+    # Identity rotation, no clipping, a row spanning [0, L] (L = 2^bits - 1): scale 1, zero 0, and
+    # values 0.5, 1.5, 2.5 sit exactly on ties (codes 0, 2, 2 under half-to-even).  Values use the
+    # other side's format (INT2 for wider keys), so both quantizers of one launch are checked.
+    d, top = 64, 2**bits - 1
     eye = torch.eye(d, device=DEVICE).expand(KV, d, d).contiguous()
     ones = torch.ones(KV, device=DEVICE)
     rot = layout.DeviceRotation(eye, eye, torch.zeros(KV, d, device=DEVICE), ones, ones)
-    row = torch.tensor([0.0, 3.0, 0.5, 1.5, 2.5, 1.0, 2.0, 0.25] * (d // 8), device=DEVICE)
+    row = torch.tensor([0.0, top, 0.5, 1.5, 2.5, 1.0, 2.0, 0.25] * (d // 8), device=DEVICE)
     k = row.expand(2, KV, d).bfloat16()
-    ref, out = _store(d, d, 0, 9), _store(d, d, 0, 9)
+    kf, vf = F(bits), F(2 if bits > 2 else 4, 32)
+    ref, out = _store(d, d, 0, 9, kf=kf, vf=vf), _store(d, d, 0, 9, kf=kf, vf=vf)
     slots = torch.tensor([1, 2], device=DEVICE)
     reference.write_kv(k, k, slots, ref, rot)
     api.write_kv(k, k, slots, out, rot, backend="triton")
     _compare(ref, out, exact=True)
-    assert fmt.unpack(out.k_codes[1, 0])[:8].tolist() == [0, 3, 0, 2, 2, 1, 2, 0]
+    assert out.k_scale[1].float().eq(1.0).all() and out.k_zero[1].float().eq(0.0).all()
+    assert fmt.unpack(out.k_codes[1, 0], bits)[:8].tolist() == [0, top, 0, 2, 2, 1, 2, 0]
 
 
 def test_layout_checks_name_the_offending_tensor():
@@ -184,3 +234,18 @@ def test_layout_checks_name_the_offending_tensor():
     strided = layout.DeviceRotation(rot.k_rot.transpose(1, 2), rot.v_rot, rot.k_mean, rot.k_clip, rot.v_clip)
     with pytest.raises(ValueError, match="k_rot must be contiguous"):
         layout.require_contiguous(s, strided)
+
+
+def test_triton_unsupported_names_the_format():
+    assert layout.triton_unsupported(128) is None
+    assert layout.triton_unsupported(128, None) is None
+    assert layout.triton_unsupported(128, 32) is None  # an int is an INT2 group size (the pool's form)
+    assert layout.triton_unsupported(64, F(4), F(2, 16), F(8, 4)) is None
+    assert "head_dim" in layout.triton_unsupported(96, F(2))
+    assert "int8/g2" in layout.triton_unsupported(64, F(2), F(8, 2))
+    assert "group size" in layout.triton_unsupported(64, 2)
+    assert "group size" in layout.triton_unsupported(128, F(4, 24))
+    s = layout.empty_store(4, KV, 64, None, 0, DEVICE, k_format=F(4), v_format=F(2, 2))
+    with pytest.raises(AssertionError, match="int2/g2"):
+        api.write_kv(*scenario.random_kv(1, KV, 64, device=DEVICE), torch.tensor([1], device=DEVICE), s,
+                     scenario.random_rotation(KV, 64, device=DEVICE), backend="triton")

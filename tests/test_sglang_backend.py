@@ -12,7 +12,9 @@ own exact K/V); and after every pass every position in a live request's
 window (``oscar_sglang.windows``) must have its BF16 copy, so a window
 shifted by one fails.
 This is what proves the backend hands the kernels device tensors, lengths and
-tuning arguments they accept, on the path the server takes on a GPU.
+tuning arguments they accept, on the path the server takes on a GPU.  It runs
+twice: every layer INT2, and a precision policy's mix (keys and values of
+each layer in different formats: INT4, INT8, INT2 with small groups).
 """
 
 import os
@@ -27,6 +29,7 @@ pytest.importorskip("sglang")
 from kernel_device import DEVICE  # noqa: E402  (enables the interpreter on CPU)
 
 from oscar_sglang import artifacts as art  # noqa: E402
+from oscar_sglang.format import RowFormat  # noqa: E402
 from oscar_sglang.kernels.common.reference import read_rotated  # noqa: E402
 from oscar_sglang.rotation import unrotate_kv  # noqa: E402
 
@@ -37,7 +40,10 @@ FP = art.ModelFingerprint(architecture="LlamaForCausalLM", num_layers=LAYERS, hi
                           rope_type="default", rope_theta=1e4)
 
 
-def _artifacts(seed: int = 1):
+MIXED = [art.LayerFormat(RowFormat(4), RowFormat(2, 16)), art.LayerFormat(RowFormat(2, 32), RowFormat(8))]
+
+
+def _artifacts(seed: int = 1, formats=None):
     g = torch.Generator().manual_seed(seed)
 
     def orth():
@@ -46,16 +52,16 @@ def _artifacts(seed: int = 1):
 
     layers = [art.LayerRotation(orth(), orth(), 0.3 * torch.randn(KVH, D, generator=g), torch.tensor([0.9, 1.0]),
                                 torch.tensor([1.0, 0.85])) for _ in range(LAYERS)]
-    return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=G)
+    return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=G, formats=formats)
 
 
-def _backend(kernel_backend, slots: int = 128, rows: int = 4, context: int = 64, seed: int = 1):
+def _backend(kernel_backend, slots: int = 128, rows: int = 4, context: int = 64, seed: int = 1, formats=None):
     """The backend over a real INT2 pool (hot side pool for 2 requests) and a ``rows x context`` req_to_token."""
     from oscar_sglang.sglang.backend import OscarInt2AttnBackend
     from oscar_sglang.sglang.pool import OscarInt2Pool
     from oscar_sglang.sglang.settings import ServingConfig
 
-    cfg = ServingConfig(_artifacts(seed), SINK, RECENT, hot_requests=2)
+    cfg = ServingConfig(_artifacts(seed, formats), SINK, RECENT, hot_requests=2)
     pool = OscarInt2Pool(slots, 1, torch.bfloat16, head_num=KVH, head_dim=D, layer_num=LAYERS, device=DEVICE,
                          config=cfg, start_layer=0, end_layer=LAYERS)
     pool.kernel_backend = kernel_backend
@@ -130,10 +136,10 @@ def _windows_hot(backend, reqs):
         assert hot[want].all(), (row, n, hot.int().tolist())
 
 
-def _run(kernel_backend, seed=0):
+def _run(kernel_backend, seed=0, formats=None):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    backend = _backend(kernel_backend)
+    backend = _backend(kernel_backend, formats=formats)
     g = torch.Generator().manual_seed(seed)
     outputs, dense = [], []
     for mode, reqs in _passes():
@@ -171,9 +177,10 @@ def _run(kernel_backend, seed=0):
     return outputs, dense, backend
 
 
-def test_backend_triton_and_torch_paths_agree_with_dense_attention():
-    torch_out, torch_dense, tb = _run("torch")
-    triton_out, triton_dense, rb = _run("triton")
+@pytest.mark.parametrize("formats", [None, MIXED], ids=["int2", "mixed-formats"])
+def test_backend_triton_and_torch_paths_agree_with_dense_attention(formats):
+    torch_out, torch_dense, tb = _run("torch", formats=formats)
+    triton_out, triton_dense, rb = _run("triton", formats=formats)
     assert len(torch_out) == len(triton_out) == 2 * len(_passes())
     for a, b in zip(torch_out, triton_out):
         assert torch.isfinite(b).all()
@@ -184,8 +191,11 @@ def test_backend_triton_and_torch_paths_agree_with_dense_attention():
     for layer_id in range(LAYERS):
         s1, _ = tb.pool.layer(layer_id)
         s2, _ = rb.pool.layer(layer_id)
-        mismatched = (s1.k_codes != s2.k_codes).float().mean().item()
-        assert mismatched <= 1e-3
+        if formats:
+            assert (s1.k_format, s1.v_format) == (formats[layer_id].k.resolved(D), formats[layer_id].v.resolved(D))
+        for name in ("k_codes", "v_codes"):
+            mismatched = (getattr(s1, name) != getattr(s2, name)).float().mean().item()
+            assert mismatched <= 1e-3, name
     for row, n in ((0, 27), (1, 23)):
         slots = rb.req_to_token[row, :n].long()
         hot = (rb.pool.hot_index[slots] >= 0).cpu()

@@ -161,7 +161,12 @@ FP = art.ModelFingerprint(architecture="LlamaForCausalLM", num_layers=2, hidden_
 SINK, RECENT, PAGE = 2, 4, 16
 
 
-def _artifacts():
+# A precision policy's per-layer formats (keys and values differ, and so do the two layers)
+MIXED = [art.LayerFormat(fmt.RowFormat(4, 32), fmt.RowFormat(2, 8)),
+         art.LayerFormat(fmt.RowFormat(2, 16), fmt.RowFormat(8, 32))]
+
+
+def _artifacts(formats=None):
     g = torch.Generator().manual_seed(0)
 
     def orth():
@@ -170,7 +175,7 @@ def _artifacts():
 
     layers = [art.LayerRotation(orth(), orth(), torch.randn(2, 32, generator=g), torch.tensor([0.9, 1.0]),
                                 torch.tensor([1.0, 0.8])) for _ in range(FP.num_layers)]
-    return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=16)
+    return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=16, formats=formats)
 
 
 class _Driver:
@@ -206,16 +211,18 @@ class _Driver:
         vr = rot.rotate_kv(v[None], r.v_rot)[0]
         if hot:
             return kr.to(torch.bfloat16).float(), vr.to(torch.bfloat16).float()
-        return (fmt.fake_quantize(kr, 16, r.k_clip.unsqueeze(-1)), fmt.fake_quantize(vr, 16, r.v_clip.unsqueeze(-1)))
+        lf = self.pool.config.layer_formats[layer]
+        return (fmt.fake_quantize(kr, lf.k.group, r.k_clip.unsqueeze(-1), bits=lf.k.bits),
+                fmt.fake_quantize(vr, lf.v.group, r.v_clip.unsqueeze(-1), bits=lf.v.bits))
 
 
-@pytest.fixture
-def pool():
+@pytest.fixture(params=["int2", "mixed"])
+def pool(request):
     pytest.importorskip("sglang")
     from oscar_sglang.sglang.pool import OscarInt2Pool
     from oscar_sglang.sglang.settings import ServingConfig
 
-    cfg = ServingConfig(_artifacts(), SINK, RECENT, hot_requests=4)
+    cfg = ServingConfig(_artifacts(MIXED if request.param == "mixed" else None), SINK, RECENT, hot_requests=4)
     return OscarInt2Pool(64, PAGE, torch.bfloat16, head_num=2, head_dim=32, layer_num=2, device="cpu", config=cfg,
                          start_layer=0, end_layer=2)
 
@@ -230,6 +237,16 @@ def test_pool_layout_matches_the_kernel_contract(pool):
     assert pool.k_hot.shape[1] == pool.hot.entries == 5 * SINK + 5 * RECENT
     with pytest.raises(RuntimeError, match="no dense K/V buffer"):
         pool.get_key_buffer(0)
+    # each layer stores its rows in the artifact's formats, and SGLang sizes by exactly those bytes
+    formats = pool.config.layer_formats
+    for layer in range(2):
+        store, _ = pool.layer(layer)
+        assert (store.k_format, store.v_format) == (formats[layer].k, formats[layer].v)
+    per_token = sum(2 * (f.k.bytes_per_row(32) + f.v.bytes_per_row(32)) for f in formats)
+    assert pool.bytes_per_token == per_token == pool.config.artifacts.bytes_per_token()
+    k_bytes, v_bytes = pool.get_kv_size_bytes()
+    hot = pool.hot.entries * 2 * 2 * 32 * 2  # entries x layers x heads x d x bf16, per side
+    assert k_bytes + v_bytes == pool.num_slots * per_token + 2 * hot
 
 
 def test_pool_reads_live_tokens_exactly_after_sharing_freeing_and_reuse(pool):

@@ -45,6 +45,7 @@ import time
 
 import pytest
 
+from oscar_sglang import artifacts
 from oscar_sglang.sglang.launcher import flush_cache, local_server, post, refused
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
@@ -233,7 +234,7 @@ def calibrated_run(model_dir, calibrated, bf16_answers, tmp_path_factory):
             flush_cache(url)
             cold.append(_generate(url, p, AGREE_TOKENS))
         hit = [_generate(url, FACTS[-1], AGREE_TOKENS)]  # the last prompt again: read back from the cache
-    return {"cold": cold, "hit": hit, "log": log.read_text()}
+    return {"cold": cold, "hit": hit, "log": log.read_text(), "dir": calibrated}
 
 
 @pytest.fixture(scope="module")
@@ -328,6 +329,11 @@ def test_calibrated_artifact_agrees_with_bf16(calibrated_run, bf16_answers):
     log = calibrated_run["log"]
     line = [x for x in log.splitlines() if "oscar-int2 KV cache:" in x]
     assert line and "method=oscar-center" in line[0], log[-4000:]
+    # made with the default --bits: a precision policy, served layer by layer in its formats
+    a = artifacts.load(calibrated_run["dir"])
+    assert 2.5 < a.bits_per_element <= 2.75 and len({f.k for f in a.layer_formats}) > 1, a.policy_summary()
+    assert f"{a.bits_per_element:.4g} bits/element (layers per format: {a.policy_summary()})" in line[0], line[0]
+    assert f"at {a.bytes_per_token()} B/token" in line[0], line[0]
     counts = []
     for prompt, int2, bf16 in zip(FACTS, calibrated_run["cold"], bf16_answers["facts"]):
         assert int2["prompt_tokens"] > SINK + RECENT and int2["cached"] == 0

@@ -1,10 +1,21 @@
 """Triton device functions shared by the kernels.
 
 Rows are handled in four *pieces*: piece ``p`` of a row holds its elements
-``4 i + p`` (``i < d / 4``), which are exactly the codes in bits ``2 p`` of
-byte ``i`` of the packed row.  Working piece-wise unpacks the INT2 bytes with
-shifts only (no reshapes, no repeated byte loads); dot products and outputs
-are summed / stored piece by piece, which is the same math in another order.
+``4 i + p`` (``i < d / 4``).  With the little-endian packing of
+``oscar_sglang.format``, the four codes of elements ``4i .. 4i+3`` fill one
+*word* of ``4 * BITS`` bits, word ``i`` of the packed row, piece ``p`` at bits
+``BITS * p``:
+
+* INT2: the word is byte ``i`` (bits ``2p``), the row ``d / 4`` bytes;
+* INT4: bytes ``2i, 2i+1`` (piece ``p`` in byte ``2i + p // 2``, bits ``4 (p % 2)``),
+  loaded as one little-endian uint16, the row ``d / 2`` bytes;
+* INT8: bytes ``4i .. 4i+3`` (piece ``p`` = byte ``4i + p``), one uint32, the row ``d`` bytes.
+
+So every format is unpacked with one load per word and shifts only (no
+reshapes, no repeated loads); INT2 keeps its single byte load.  Dot products
+and outputs are summed / stored piece by piece, the same math in another
+order.  Keys and values each have their own ``BITS`` and group ``G``
+(``G`` a multiple of 4, so a word never straddles two groups).
 """
 
 import triton
@@ -42,15 +53,36 @@ def load_piece_scale(ptr, row, mask, D: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
+def code_word_ptr(codes_ptr, BITS: tl.constexpr):
+    """``codes_ptr`` (uint8) as a pointer to the words of four codes: uint8, uint16 or uint32 for 2, 4, 8 bits.
+
+    Word ``row * (D // 4) + i`` of it holds the codes of elements ``4i .. 4i+3`` of ``row``.
+    """
+    if BITS == 2:
+        return codes_ptr
+    elif BITS == 4:
+        return codes_ptr.to(tl.pointer_type(tl.uint16))
+    else:
+        tl.static_assert(BITS == 8, "codes must have 2, 4 or 8 bits")
+        return codes_ptr.to(tl.pointer_type(tl.uint32))
+
+
+@triton.jit
 def load_rows(codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, cold, hot,
-              D: tl.constexpr, G: tl.constexpr):
-    """Rotated rows as four fp32 pieces ``[BLOCK_N, D // 4]``: BF16 where ``hot``, INT2 where ``cold``.
+              D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """Rotated rows as four fp32 pieces ``[BLOCK_N, D // 4]``: BF16 where ``hot``, ``BITS``-bit codes where ``cold``.
 
     ``row = slot * kv_heads + head`` and ``hot_row = entry * kv_heads + head`` (int64);
     rows in neither mask read as 0.
     """
+    MASK: tl.constexpr = (1 << BITS) - 1
     i = tl.arange(0, D // 4)
-    byte = tl.load(codes_ptr + row[:, None] * (D // 4) + i[None, :], mask=cold[:, None], other=0).to(tl.int32)
+    word = tl.load(code_word_ptr(codes_ptr, BITS) + row[:, None] * (D // 4) + i[None, :], mask=cold[:, None],
+                   other=0)
+    if BITS == 8:
+        word = word.to(tl.int32, bitcast=True)  # the top code's bits land in the sign bit: shift, then mask
+    else:
+        word = word.to(tl.int32)
     scale = load_piece_scale(scale_ptr, row, cold, D, G)
     zero = load_piece_scale(zero_ptr, row, cold, D, G)
     hp = hot_ptr + hot_row[:, None] * D + 4 * i[None, :]
@@ -59,10 +91,10 @@ def load_rows(codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, cold, hot,
     h1 = tl.load(hp + 1, mask=hm, other=0.0).to(tl.float32)
     h2 = tl.load(hp + 2, mask=hm, other=0.0).to(tl.float32)
     h3 = tl.load(hp + 3, mask=hm, other=0.0).to(tl.float32)
-    x0 = tl.where(hm, h0, zero + (byte & 3).to(tl.float32) * scale)
-    x1 = tl.where(hm, h1, zero + ((byte >> 2) & 3).to(tl.float32) * scale)
-    x2 = tl.where(hm, h2, zero + ((byte >> 4) & 3).to(tl.float32) * scale)
-    x3 = tl.where(hm, h3, zero + ((byte >> 6) & 3).to(tl.float32) * scale)
+    x0 = tl.where(hm, h0, zero + (word & MASK).to(tl.float32) * scale)
+    x1 = tl.where(hm, h1, zero + ((word >> BITS) & MASK).to(tl.float32) * scale)
+    x2 = tl.where(hm, h2, zero + ((word >> (2 * BITS)) & MASK).to(tl.float32) * scale)
+    x3 = tl.where(hm, h3, zero + ((word >> (3 * BITS)) & MASK).to(tl.float32) * scale)
     return x0, x1, x2, x3
 
 
@@ -120,16 +152,18 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
 def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
                         k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
                         q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
-                        D: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr):
+                        D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
+                        V_G: tl.constexpr, PREC: tl.constexpr):
     """One online-softmax step over stored tokens ``t`` of a request (``tok_row_ptr`` = its
-    ``req_to_token`` row): slot lookup, BF16 where the slot has a hot entry, INT2 elsewhere."""
+    ``req_to_token`` row): slot lookup, BF16 where the slot has a hot entry, quantized rows elsewhere
+    (keys ``K_BITS`` bits in groups of ``K_G``, values ``V_BITS`` / ``V_G``)."""
     slot = tl.load(tok_row_ptr + t, mask=tmask, other=0).to(tl.int64)
     entry = tl.load(hot_index + slot, mask=tmask, other=-1).to(tl.int64)
     cold = tmask & (entry < 0)
     hot = tmask & (entry >= 0)
     row = slot * KV + kvh
     hot_row = entry * KV + kvh
-    k0, k1, k2, k3 = load_rows(k_codes, k_scale, k_zero, k_hot, row, hot_row, cold, hot, D, G)
-    v0, v1, v2, v3 = load_rows(v_codes, v_scale, v_zero, v_hot, row, hot_row, cold, hot, D, G)
+    k0, k1, k2, k3 = load_rows(k_codes, k_scale, k_zero, k_hot, row, hot_row, cold, hot, D, K_G, K_BITS)
+    v0, v1, v2, v3 = load_rows(v_codes, v_scale, v_zero, v_hot, row, hot_row, cold, hot, D, V_G, V_BITS)
     return attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
                         tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)

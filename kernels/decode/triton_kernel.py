@@ -1,4 +1,4 @@
-"""Decode attention over the INT2/BF16 store: split-K (flash-decoding) partials, then a reduce.
+"""Decode attention over the quantized/BF16 store: split-K (flash-decoding) partials, then a reduce.
 
 Stage 1, grid ``(batch, kv_heads, num_splits)``: a program reads its split of
 one request's tokens for one KV head once, for all the query heads of the
@@ -6,6 +6,11 @@ group (padded to at least 16 rows for ``tl.dot``), and writes a normalised
 partial output and its log2-sum-exp.  Stage 2, grid ``(batch, q_heads)``,
 merges the splits.  The query is rotated before and the output de-rotated
 after, in torch (one small matmul each).
+
+Keys and values are read in their own formats (constexprs ``K_BITS``/``K_G``,
+``V_BITS``/``V_G``; 2, 4 or 8 bits, from ``store.k_format``/``v_format``),
+unpacked by ``common/triton_helpers.load_rows``; INT2 compiles to the same
+code as before the formats were generalised.
 """
 
 import functools
@@ -31,7 +36,8 @@ def _decode_split_kernel(q_ptr, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
                          req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                          stride_qb, stride_qh, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
                          GQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         D: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr):
+                         D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
+                         V_G: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -57,7 +63,7 @@ def _decode_split_kernel(q_ptr, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
         m, l, a0, a1, a2, a3 = attend_stored_block(
             t, tmask, req_to_token + req * stride_r2t, hot_index, kvh, KV,
             k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
-            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, G, PREC)
+            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC)
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
     part = (b * Q_HEADS + qh).to(tl.int64) * NUM_SPLITS + sp
@@ -112,9 +118,9 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                      block_n: int = 32, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`."""
     bsz, q_heads, d = q.shape
-    kv, g = store.kv_heads, store.group_size
+    kv, kf, vf = store.kv_heads, store.k_format, store.v_format
     gq = q_heads // kv
-    assert (problem := triton_unsupported(d)) is None, problem
+    assert (problem := triton_unsupported(d, kf, vf)) is None, problem
     assert req_to_token.stride(1) == 1, "req_to_token rows must be contiguous"
     if bsz == 0:
         return torch.zeros_like(q)
@@ -127,7 +133,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         qr, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         qr.stride(0), qr.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
-        GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d, G=g, PREC=DOT_PRECISION,
+        GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
+        K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=DOT_PRECISION,
         num_warps=num_warps, num_stages=num_stages,
     )
     return derotate_output(merge_splits(mid_o, mid_lse), rot.v_rot).to(q.dtype)

@@ -4,7 +4,8 @@ Grid ``(cdiv(max_extend_len, BLOCK_M), batch, kv_heads)`` (token blocks on the
 axis without the 65535 limit).  A program holds
 ``BLOCK_M`` new tokens times the query heads of one KV head (``BLOCK_M * GQP``
 rows, ``GQP`` = group padded to a power of two), reads the prefix straight
-from the INT2/hot store (never materialised), then the new tokens' exact
+from the quantized/hot store (never materialised; keys and values each in
+their format, constexprs ``K_BITS``/``K_G``, ``V_BITS``/``V_G``), then the new tokens' exact
 rotated rows with a causal mask, in one online softmax: the same result as
 merging the two parts by log-sum-exp.  Everything is in the rotated, centred
 space; queries are rotated before and the output de-rotated after, in torch.
@@ -34,7 +35,8 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
                    req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
                    mid_lse, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
                    GQ: tl.constexpr, GQP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   D: tl.constexpr, G: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+                   D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
+                   V_G: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -69,7 +71,7 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
         m, l, a0, a1, a2, a3 = attend_stored_block(
             t, tmask, req_to_token + req * stride_r2t, hot_index, kvh, KV,
             k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
-            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, G, PREC)
+            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC)
 
     # New tokens, exact, causal among themselves (in the last split).
     hi = tl.where(sp == NUM_SPLITS - 1, tl.minimum(ext_len, m0 + BLOCK_M), 0)
@@ -115,9 +117,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     ``max_prefix_len``, the longest prefix as the host knows it; 1 without it).
     """
     n, q_heads, d = q.shape
-    kv, g = store.kv_heads, store.group_size
+    kv, kf, vf = store.kv_heads, store.k_format, store.v_format
     gq = q_heads // kv
-    assert (problem := triton_unsupported(d)) is None, problem
+    assert (problem := triton_unsupported(d, kf, vf)) is None, problem
     assert req_to_token.stride(1) == 1, "req_to_token rows must be contiguous"
     if n == 0:
         return torch.zeros_like(q)
@@ -145,7 +147,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         qr, kn, vn, out, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, mid_lse, req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
-        GQ=gq, GQP=gqp, BLOCK_M=block_m, BLOCK_N=block_n, D=d, G=g, PREC=DOT_PRECISION, SPLIT=splits > 1,
+        GQ=gq, GQP=gqp, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
+        K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=DOT_PRECISION, SPLIT=splits > 1,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:

@@ -5,13 +5,21 @@ one KV head, computes ``x' = (x - mu) R`` piece by piece with fp32 (IEEE)
 dots over ``KC`` input channels at a time (small operands, no register
 spills), and writes codes, fp16 scale/zero and, for tokens with a hot entry,
 the BF16 rotated rows.  Nothing intermediate touches global memory.
+
+Keys and values each have their own format (constexprs ``K_BITS``/``K_G``,
+``V_BITS``/``V_G``; bits in {2, 4, 8}): max code ``L = 2^BITS - 1``, ``fp16``
+scale ``= fp16(div_rn(hi - fp16(lo), L))``, round-half-even codes against the
+stored fp16 values, exactly as ``oscar_sglang.format.quantize``.  The four
+codes of elements ``4i .. 4i+3`` are packed into word ``i`` of the row (one
+byte for INT2, a little-endian uint16 for INT4, a uint32 for INT8; see
+``common/triton_helpers.py``) and stored with one store per word.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ..common.triton_helpers import bf16_rne, round_half_even
+from ..common.triton_helpers import bf16_rne, code_word_ptr, round_half_even
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
 
@@ -38,11 +46,11 @@ def _rotate(x_ptr, mean_ptr, rot_ptr, tmask, HAS_MEAN: tl.constexpr, BLOCK_T: tl
 
 
 @triton.jit
-def _codes(x, a, b, z, inv):
-    """Codes of the format for clip bounds ``[a, b]``, fp16 zero ``z`` and ``inv = 1 / scale`` (0 if scale is 0)."""
+def _codes(x, a, b, z, inv, TOP: tl.constexpr):
+    """Codes ``0..TOP`` for clip bounds ``[a, b]``, fp16 zero ``z`` and ``inv = 1 / scale`` (0 if scale is 0)."""
     xc = tl.minimum(tl.maximum(x, a), b)
     c = round_half_even((xc - z) * inv)
-    return tl.minimum(tl.maximum(c, 0.0), 3.0).to(tl.int32)
+    return tl.minimum(tl.maximum(c, 0.0), TOP * 1.0).to(tl.int32)
 
 
 @triton.jit
@@ -57,9 +65,11 @@ def _masked_max(x, in_g):
 
 @triton.jit
 def _quantize_store(x0, x1, x2, x3, clip, codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, tmask, hmask,
-                    HAS_HOT: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
-    """Store rotated rows (four pieces ``[BLOCK_T, D // 4]``) in the format at ``row``, BF16 copies at ``hot_row``."""
+                    HAS_HOT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+    """Store rotated rows (four pieces ``[BLOCK_T, D // 4]``) as ``BITS``-bit codes in groups of ``G`` at
+    ``row``, BF16 copies at ``hot_row``."""
     NG: tl.constexpr = D // G
+    TOP: tl.constexpr = (1 << BITS) - 1
     i = tl.arange(0, D // 4)
     if HAS_HOT:
         hp = hot_ptr + hot_row[:, None] * D + 4 * i[None, :]
@@ -88,7 +98,7 @@ def _quantize_store(x0, x1, x2, x3, clip, codes_ptr, scale_ptr, zero_ptr, hot_pt
         hi = tl.minimum(tl.maximum(hi, a), b)
         z16 = lo.to(tl.float16)
         zf = z16.to(tl.float32)
-        s16 = tl.maximum(tl.math.div_rn(hi - zf, 3.0), 0.0).to(tl.float16)
+        s16 = tl.maximum(tl.math.div_rn(hi - zf, TOP * 1.0), 0.0).to(tl.float16)
         sf = s16.to(tl.float32)
         inv = tl.where(sf > 0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), tl.where(sf > 0, sf, 1.0)), 0.0)
         tl.store(scale_ptr + row * NG + gi, s16, mask=tmask)
@@ -97,11 +107,17 @@ def _quantize_store(x0, x1, x2, x3, clip, codes_ptr, scale_ptr, zero_ptr, hot_pt
         b_col = tl.where(in_g, b[:, None], b_col)
         z_col = tl.where(in_g, zf[:, None], z_col)
         inv_col = tl.where(in_g, inv[:, None], inv_col)
-    byte = _codes(x0, a_col, b_col, z_col, inv_col)
-    byte |= _codes(x1, a_col, b_col, z_col, inv_col) << 2
-    byte |= _codes(x2, a_col, b_col, z_col, inv_col) << 4
-    byte |= _codes(x3, a_col, b_col, z_col, inv_col) << 6
-    tl.store(codes_ptr + row[:, None] * (D // 4) + i[None, :], byte.to(tl.uint8), mask=tmask[:, None])
+    word = _codes(x0, a_col, b_col, z_col, inv_col, TOP)
+    word |= _codes(x1, a_col, b_col, z_col, inv_col, TOP) << BITS
+    word |= _codes(x2, a_col, b_col, z_col, inv_col, TOP) << (2 * BITS)
+    word |= _codes(x3, a_col, b_col, z_col, inv_col, TOP) << (3 * BITS)
+    if BITS == 2:
+        word = word.to(tl.uint8)
+    elif BITS == 4:
+        word = word.to(tl.uint16)
+    else:
+        word = word.to(tl.uint32, bitcast=True)
+    tl.store(code_word_ptr(codes_ptr, BITS) + row[:, None] * (D // 4) + i[None, :], word, mask=tmask[:, None])
 
 
 @triton.jit
@@ -109,7 +125,8 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
                   k_rot, v_rot, k_mean, k_clip, v_clip,
                   k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_hot, v_hot,
                   n, KV, stride_kt, stride_kh, stride_vt, stride_vh,
-                  HAS_HOT: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                  HAS_HOT: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                  K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr,
                   KC: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -127,25 +144,25 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
     x0, x1, x2, x3 = _rotate(k_ptr + t64 * stride_kt + h * stride_kh, k_mean + h * D, k_rot + h * D * D, tmask,
                              True, BLOCK_T, D, KC)
     _quantize_store(x0, x1, x2, x3, tl.load(k_clip + h), k_codes, k_scale, k_zero, k_hot,
-                    row, hot_row, tmask, hmask, HAS_HOT, D, G)
+                    row, hot_row, tmask, hmask, HAS_HOT, D, K_G, K_BITS)
     x0, x1, x2, x3 = _rotate(v_ptr + t64 * stride_vt + h * stride_vh, k_mean, v_rot + h * D * D, tmask,
                              False, BLOCK_T, D, KC)
     _quantize_store(x0, x1, x2, x3, tl.load(v_clip + h), v_codes, v_scale, v_zero, v_hot,
-                    row, hot_row, tmask, hmask, HAS_HOT, D, G)
+                    row, hot_row, tmask, hmask, HAS_HOT, D, V_G, V_BITS)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: DeviceRotation,
              hot_loc: torch.Tensor | None = None, block_t: int = 16, num_warps: int = 4) -> None:
     """Triton version of :func:`oscar_sglang.kernels.write.reference.write_kv` (same arguments)."""
     n = k.shape[0]
-    kv, d, g = store.kv_heads, store.head_dim, store.group_size
+    kv, d, kf, vf = store.kv_heads, store.head_dim, store.k_format, store.v_format
     if n == 0:
         return
     require_contiguous(store, rot)
     k = k.reshape(n, kv, d)
     v = v.reshape(n, kv, d)
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "k and v rows must be contiguous"
-    assert (problem := triton_unsupported(d, g)) is None, problem
+    assert (problem := triton_unsupported(d, kf, vf)) is None, problem
     assert block_t >= 16, "tl.dot needs at least 16 rows"
     _write_kernel[(triton.cdiv(n, block_t), kv)](
         k, v, slots, hot_loc if hot_loc is not None else slots,
@@ -153,5 +170,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
         store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
         store.k_hot, store.v_hot,
         n, kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        HAS_HOT=hot_loc is not None, BLOCK_T=block_t, D=d, G=g, KC=32, num_warps=num_warps,
+        HAS_HOT=hot_loc is not None, BLOCK_T=block_t, D=d, K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits,
+        V_G=vf.group, KC=32, num_warps=num_warps,
     )

@@ -80,13 +80,21 @@ def hot_requests(cfg) -> int:
 
 
 def compute_cell_size(original, self, kvc, num_layers):
-    """Around ``DefaultPoolConfigurator._compute_cell_size``: INT2 bytes per token; notes the hot pool's bytes."""
+    """Around ``DefaultPoolConfigurator._compute_cell_size``: the quantized rows' bytes per token (each layer
+    in its format); notes the hot pool's bytes."""
     if not _is_oscar(kvc):
         return original(self, kvc, num_layers)
     cfg = _serving(kvc)
     h, d = _kv_heads(kvc), kvc.model_config.head_dim
     self.oscar_hot_bytes = sizing.hot_plan(hot_requests(cfg), cfg.sink, cfg.recent).nbytes(num_layers, h, d)
-    return sizing.int2_bytes_per_token(num_layers, h, d, cfg.group_size)
+    return sizing.rows_bytes_per_token(_served_formats(kvc, cfg, num_layers), h, d)
+
+
+def _served_formats(kvc, cfg, num_layers: int) -> list:
+    """The formats of the layers this process serves (all of them, or a pipeline stage's share)."""
+    info = getattr(kvc, "layer_info", None)
+    start = getattr(info, "start_layer", 0) or 0
+    return cfg.layer_formats[start:start + num_layers]
 
 
 def calculate_pool_sizes(original, self, available_bytes, page_size):
@@ -173,14 +181,15 @@ def flush_requests(result, req_to_token_pool, *args, **kwargs):
 
 
 def summary_line(pool, capacity_tokens: int) -> str:
-    """The startup line: method, bits per element, windows, capacity, bytes per token and the hot pool."""
+    """The startup line: method, bits per element and the layers per format, windows, capacity, bytes per
+    token and the hot pool."""
     cfg = pool.config
     layers, h, d = pool.layer_num, pool.head_num, pool.head_dim
-    int2 = sizing.int2_bytes_per_token(layers, h, d, cfg.group_size)
+    rows = pool.bytes_per_token
     bf16 = sizing.bf16_bytes_per_token(layers, h, d)
     hot_bytes = pool.hot.entries * sizing.hot_bytes_per_entry(layers, h, d)
-    return (f"oscar-int2 KV cache: method={cfg.artifacts.method}, {cfg.bits_per_element:g} bits/element "
-            f"(group {cfg.group_size}), sink={cfg.sink}, recent={cfg.recent}, "
-            f"KV capacity={capacity_tokens} tokens at {int2} B/token (BF16: {bf16} B/token, "
-            f"{bf16 / int2:.1f}x), plus a BF16 hot pool of {pool.hot.entries} entries for "
+    return (f"oscar-int2 KV cache: method={cfg.artifacts.method}, {cfg.bits_per_element:.4g} bits/element "
+            f"(layers per format: {cfg.artifacts.policy_summary()}), sink={cfg.sink}, recent={cfg.recent}, "
+            f"KV capacity={capacity_tokens} tokens at {rows} B/token (BF16: {bf16} B/token, "
+            f"{bf16 / rows:.2f}x), plus a BF16 hot pool of {pool.hot.entries} entries for "
             f"{pool.hot_requests} requests ({hot_bytes / 2**20:.1f} MiB)")

@@ -1,11 +1,13 @@
 """The INT2 token-to-KV pool that replaces SGLang's MHA pool under ``--kv-cache-dtype oscar-int2``.
 
 Layout (the contract the kernels are written against, see
-``oscar_sglang.kernels.layout``), per layer, ``num_slots = size + page_size``::
+``oscar_sglang.kernels.layout``), per layer, ``num_slots = size + page_size``,
+keys and values each in the layer's row format (bits b, group G) from the
+artifact (INT2 with one group per row unless it carries a precision policy)::
 
-    k_codes, v_codes           uint8 [num_slots, kv_heads, d // 4]
+    k_codes, v_codes           uint8 [num_slots, kv_heads, d * b / 8]
     k_scale, k_zero, v_scale, v_zero
-                               fp16  [num_slots, kv_heads, d // G]
+                               fp16  [num_slots, kv_heads, d / G]
     k_hot, v_hot               bf16  [hot_entries, kv_heads, d]   rotated, unclipped rows
     hot_index                  int32 [num_slots]                  shared by all layers
     k_rot, v_rot               fp32  [kv_heads, d, d]
@@ -24,9 +26,8 @@ import logging
 import torch
 from sglang.srt.mem_cache.memory_pool import KVCache, unwrap_write_loc
 
-from oscar_sglang import format as fmt
 from oscar_sglang.kernels import api as kernels
-from oscar_sglang.kernels.layout import DeviceRotation, LayerStore
+from oscar_sglang.kernels.layout import DeviceRotation, LayerStore, row_tensors
 
 from . import sizing
 from .hot import HotSet
@@ -49,9 +50,8 @@ class OscarInt2Pool(KVCache):
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, head_dim
         self.config = config
         self.kernel_backend = KERNEL_BACKEND  # oscar_sglang.kernels.api backend: auto | torch | triton
-        self.group_size = config.group_size
-        fmt.check_shape(head_dim, self.group_size)
-        reason = kernels.triton_unsupported(head_dim, self.group_size)
+        self.layer_formats = config.layer_formats[self.start_layer:self.start_layer + layer_num]
+        reason = kernels.triton_unsupported(head_dim, *{f for lf in self.layer_formats for f in (lf.k, lf.v)})
         if reason and torch.device(device).type == "cuda":
             logger.warning("oscar-int2: %s; serving with the plain-torch path (slow)", reason)
             self.kernel_backend = "torch"
@@ -65,20 +65,20 @@ class OscarInt2Pool(KVCache):
         self._finalize_allocation_log(size)
 
     def _allocate(self, layers: int) -> None:
-        n, h, d, groups, e = self.num_slots, self.head_num, self.head_dim, self.head_dim // self.group_size, self.hot.entries
+        """Each layer's rows in its own formats (one allocation per layer and tensor), the hot rows stacked."""
+        n, h, d, e = self.num_slots, self.head_num, self.head_dim, self.hot.entries
+        self.k_hot, self.v_hot = (torch.zeros(layers, e, h, d, dtype=torch.bfloat16, device=self.device)
+                                  for _ in range(2))
+        self.stores = []
+        for i, lf in enumerate(self.layer_formats):
+            k = row_tensors(n, h, d, lf.k, self.device)
+            v = row_tensors(n, h, d, lf.v, self.device)
+            self.stores.append(LayerStore(*k, *v, self.k_hot[i], self.v_hot[i], self.hot.hot_index))
 
-        def zeros(*shape, dtype):
-            return torch.zeros(layers, *shape, dtype=dtype, device=self.device)
-
-        self.k_codes, self.v_codes = (zeros(n, h, d // fmt.CODES_PER_BYTE, dtype=torch.uint8) for _ in range(2))
-        self.k_scale, self.k_zero, self.v_scale, self.v_zero = (
-            zeros(n, h, groups, dtype=torch.float16) for _ in range(4))
-        self.k_hot, self.v_hot = (zeros(e, h, d, dtype=torch.bfloat16) for _ in range(2))
-        self.stores = [
-            LayerStore(self.k_codes[i], self.k_scale[i], self.k_zero[i], self.v_codes[i], self.v_scale[i],
-                       self.v_zero[i], self.k_hot[i], self.v_hot[i], self.hot.hot_index)
-            for i in range(layers)
-        ]
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token's quantized K and V rows over this pool's layers (the cell SGLang sizes by)."""
+        return sizing.rows_bytes_per_token(self.layer_formats, self.head_num, self.head_dim)
 
     def _rotation(self, config: ServingConfig, layer_id: int) -> DeviceRotation:
         src = config.artifacts.layers[layer_id].to(self.device, torch.float32)
@@ -147,9 +147,10 @@ class OscarInt2Pool(KVCache):
     get_key_buffer = get_value_buffer = get_kv_buffer = _no_dense_buffer
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
-        """Bytes of the K side and of the V side (INT2 rows plus hot rows)."""
+        """Bytes of the K side and of the V side (quantized rows plus hot rows)."""
         def nbytes(*ts):
             return sum(t.numel() * t.element_size() for t in ts)
 
-        return (nbytes(self.k_codes, self.k_scale, self.k_zero, self.k_hot),
-                nbytes(self.v_codes, self.v_scale, self.v_zero, self.v_hot))
+        k = nbytes(self.k_hot, *(t for st in self.stores for t in (st.k_codes, st.k_scale, st.k_zero)))
+        v = nbytes(self.v_hot, *(t for st in self.stores for t in (st.v_codes, st.v_scale, st.v_zero)))
+        return k, v

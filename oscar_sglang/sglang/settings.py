@@ -95,12 +95,14 @@ class ServingConfig:
     hot_requests: int = DEFAULT_HOT_REQUESTS
 
     @property
-    def group_size(self) -> int:
-        return self.artifacts.group
+    def layer_formats(self) -> list:
+        """Each model layer's K and V row formats (``artifacts.LayerFormat``)."""
+        return self.artifacts.layer_formats
 
     @property
     def bits_per_element(self) -> float:
-        return 2 + 32 / self.group_size
+        """Average stored bits per K/V element over all layers (scale and zero included)."""
+        return self.artifacts.bits_per_element
 
     def for_rank(self, tp_size: int, tp_rank: int) -> "ServingConfig":
         """This config with the rotations of the KV heads a tensor-parallel rank serves."""

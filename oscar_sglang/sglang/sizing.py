@@ -1,8 +1,10 @@
 """Byte math of the INT2 pool and of its BF16 hot side pool.  Plain Python, no SGLang.
 
-Per token and layer the pool stores, for K and for V, one INT2 row per KV
-head (``d / 4`` bytes of codes plus fp16 scale and zero per group): that is
-the per-token cell SGLang divides its memory budget by.
+Per token and layer the pool stores, for K and for V, one quantized row per
+KV head in the layer's format (``d * bits / 8`` bytes of codes plus fp16
+scale and zero per group; INT2 everywhere unless the artifact carries a
+precision policy): that is the per-token cell SGLang divides its memory
+budget by.
 
 The BF16 hot side pool is a fixed allocation sized by the requests it serves,
 not by the token capacity (DESIGN.md invariant 2): ``hot_requests`` sink
@@ -27,8 +29,13 @@ BURST_SHARE = 4  # each region holds hot_requests windows + 1/4 of that (at leas
 
 
 def int2_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, group_size: int) -> int:
-    """INT2 rows (codes, scale, zero) of K and V, all layers: the cell size of the pool."""
+    """INT2 rows (codes, scale, zero) of K and V, all layers, one format everywhere."""
     return num_layers * 2 * kv_heads * fmt.bytes_per_row(head_dim, group_size)
+
+
+def rows_bytes_per_token(formats, kv_heads: int, head_dim: int) -> int:
+    """Rows of K and V in each layer's formats (``artifacts.LayerFormat`` per layer): the cell size of the pool."""
+    return sum(kv_heads * (f.k.bytes_per_row(head_dim) + f.v.bytes_per_row(head_dim)) for f in formats)
 
 
 def hot_bytes_per_entry(num_layers: int, kv_heads: int, head_dim: int) -> int:
