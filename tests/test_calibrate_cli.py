@@ -30,6 +30,13 @@ def test_calibrate_optr_writes_a_validated_artifact(tmp_path, capsys):
     assert len(cal["heldout_groups"]) >= 2 and "acceptance" in cal
     assert len(cal["layers"]) == 30 and {"k_clip", "v_clip", "k_heldout_before", "k_kept"} <= set(cal["layers"][0])
     assert cal["peak_rss_mb"] > 0
+    # the default --bits 2.75: a precision policy, its choice and held-out check in the manifest
+    assert manifest["format_version"] == 2 and len(manifest["layer_formats"]) == 30
+    pol = cal["policy"]
+    assert pol["budget_bits"] == 2.75 and 2.5 <= a.bits_per_element <= 2.75 + 1e-9
+    assert manifest["bits_per_element"] == pytest.approx(a.bits_per_element, abs=1e-6)
+    assert pol["error_policy"] <= pol["error_base"] and len(pol["heldout_check"]["folds"]) == len(cal["heldout_groups"])
+    assert "precision policy:" in printed and f"{a.bits_per_element:.3f} bits/element" in printed
 
 
 def test_calibrate_reports_bad_input_clearly(tmp_path, capsys):
