@@ -43,10 +43,11 @@ def shape_statistics(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def head_errors(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, clip: torch.Tensor,
-                group_size: int) -> torch.Tensor:
-    """INT2 round-trip error per KV head, ``[kv_heads]``: ``||Q(x') - x'|| / ||x||`` over the head's rows."""
+                group_size: int, bits: int = 2) -> torch.Tensor:
+    """Round-trip error per KV head (INT2 unless ``bits``), ``[kv_heads]``: ``||Q(x') - x'|| / ||x||`` over the
+    head's rows."""
     xr = rot.rotate_kv(x, rotation, mean)
-    xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1))
+    xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1), bits=bits)
     return (xq - xr).double().pow(2).sum((0, 2)).sqrt() / x.double().pow(2).sum((0, 2)).sqrt().clamp_min(1e-30)
 
 
@@ -61,9 +62,9 @@ def diagnose(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], levers: dict[str,
             stats = shape_statistics(x)
             errors = {}
             for name, a in levers.items():
-                lr = a.layers[layer]
-                r, clip = (lr.k_rotation, lr.k_clip) if which == "k" else (lr.v_rotation, lr.v_clip)
-                errors[name] = head_errors(x, r, lr.k_mean if which == "k" else None, clip, a.group)
+                lr, lf = a.layers[layer], a.layer_formats[layer]
+                r, clip, f = (lr.k_rotation, lr.k_clip, lf.k) if which == "k" else (lr.v_rotation, lr.v_clip, lf.v)
+                errors[name] = head_errors(x, r, lr.k_mean if which == "k" else None, clip, f.group, f.bits)
             for h in range(x.shape[1]):
                 row = {"layer": layer, "head": h, "tensor": which}
                 row.update({s: float(t[h]) for s, t in stats.items()})

@@ -32,6 +32,7 @@ teacher-forced tail perplexity on the evaluation part of every domain
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -61,6 +62,17 @@ def _ints(s: str) -> list[int]:
 
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
+
+
+def _named_dirs(s: str) -> dict[str, Path]:
+    out = {}
+    for item in s.split(","):
+        if item:
+            name, sep, d = item.partition("=")
+            if not sep or not name or not d:
+                raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {item!r}")
+            out[name] = Path(d)
+    return out
 
 
 def _windows(s: str) -> list[tuple[int, int]]:
@@ -103,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision-policy budgets (average bits per element) to evaluate, e.g. 2.75,3")
     p.add_argument("--policy-base", default="optr", choices=METHODS[1:],
                    help="calibrated method the policy starts from (default optr)")
+    p.add_argument("--artifacts", type=_named_dirs, default={},
+                   help="NAME=DIR,...: also evaluate these saved rotations directories (e.g. from --save-artifacts) "
+                        "as methods NAME, served at --sink/--recent, without calibrating them again")
     p.add_argument("--save-artifacts", type=Path, default=None, help="also write each method's rotations here")
     p.add_argument("--no-diagnostics", action="store_true",
                    help="skip diagnostics.{md,json,png} (per layer and KV head: what makes keys/values hard, "
@@ -182,6 +197,11 @@ def single(args, methods, argv) -> int:
         timings[m] = round(time.time() - t, 1)
         if args.save_artifacts:
             art.save(fitted[m], args.save_artifacts / m)
+    fp = art.ModelFingerprint.from_config(lm.config)
+    for name, d in args.artifacts.items():
+        loaded = art.load(d, expect=fp)
+        fitted[name] = dataclasses.replace(loaded, sink=args.sink, recent=args.recent)
+        methods.append(name)
     for b in args.policy_bits:
         t = time.time()
         name = f"{args.policy_base}@{b:g}"

@@ -23,10 +23,10 @@ from . import model as model_io
 
 
 def relative_error(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None,
-                   clip: torch.Tensor, group_size: int) -> float:
-    """``||Q(x') - x'||_F / ||x||_F`` for ``x[tokens, kv_heads, d]``."""
+                   clip: torch.Tensor, group_size: int, bits: int = 2) -> float:
+    """``||Q(x') - x'||_F / ||x||_F`` for ``x[tokens, kv_heads, d]`` (rows of ``bits``, INT2 by default)."""
     xr = rot.rotate_kv(x, rotation, mean)
-    xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1))
+    xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1), bits=bits)
     return ((xq - xr).norm() / x.float().norm()).item()
 
 
@@ -34,11 +34,11 @@ def per_layer_errors(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], art: Rota
     """One row per layer: ``{"layer", "k", "v"}`` relative errors."""
     rows = []
     for layer, (k, v) in sorted(kv.items()):
-        lr = art.layers[layer]
+        lr, lf = art.layers[layer], art.layer_formats[layer]
         rows.append({
             "layer": layer,
-            "k": relative_error(k, lr.k_rotation, lr.k_mean, lr.k_clip, art.group),
-            "v": relative_error(v, lr.v_rotation, None, lr.v_clip, art.group),
+            "k": relative_error(k, lr.k_rotation, lr.k_mean, lr.k_clip, lf.k.group, lf.k.bits),
+            "v": relative_error(v, lr.v_rotation, None, lr.v_clip, lf.v.group, lf.v.bits),
         })
     return rows
 

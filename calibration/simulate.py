@@ -49,8 +49,6 @@ class SimState:
     sink: int | None = None  # None: the artifact's default
     recent: int | None = None
     quantize: bool = True
-    exact_k: bool = False  # keys read exact everywhere (to measure the values' share of the error)
-    exact_v: bool = False  # values read exact everywhere
     measure: bool = False
     err_sq: dict[int, float] = field(default_factory=dict)
     ref_sq: dict[int, float] = field(default_factory=dict)
@@ -99,10 +97,11 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     qr = rot.rotate_queries(query.transpose(1, 2), layer.k_rotation).transpose(1, 2)  # [b, H, s, d]
     kr = rot.rotate_kv(key.transpose(1, 2), layer.k_rotation, layer.k_mean).transpose(1, 2)  # [b, G, T, d]
     vr = rot.rotate_kv(value.transpose(1, 2), layer.v_rotation).transpose(1, 2)
-    kq = kr if not st.quantize or st.exact_k else fmt.fake_quantize(kr, lf.k.group, layer.k_clip.reshape(-1, 1, 1),
-                                                                     bits=lf.k.bits)
-    vq = vr if not st.quantize or st.exact_v else fmt.fake_quantize(vr, lf.v.group, layer.v_clip.reshape(-1, 1, 1),
-                                                                     bits=lf.v.bits)
+    if st.quantize:
+        kq = fmt.fake_quantize(kr, lf.k.group, layer.k_clip.reshape(-1, 1, 1), bits=lf.k.bits)
+        vq = fmt.fake_quantize(vr, lf.v.group, layer.v_clip.reshape(-1, 1, 1), bits=lf.v.bits)
+    else:
+        kq, vq = kr, vr
     q_pos = torch.arange(t - s, t, device=query.device)
     allowed = _allowed(attention_mask, b, s, t, q_pos, query.device)
     if st.mode == "decode":

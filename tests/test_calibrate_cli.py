@@ -87,16 +87,34 @@ def test_cross_domain_table_is_written(tmp_path, capsys):
 
 
 def test_eval_writes_accuracy_and_diagnostics(tmp_path, capsys):
-    """Single mode, small: the accuracy table and the per-(layer, head) diagnostics of each calibrated method."""
+    """Single mode, small: the accuracy table and the per-(layer, head) diagnostics of each calibrated method,
+    a precision policy on top of one of them, and a saved artifact evaluated as it is."""
+    from transformers import AutoConfig
+
+    from oscar_sglang import assets
+
+    fp = art.ModelFingerprint.from_config(AutoConfig.from_pretrained(assets.default_model_dir()))
+    saved = art.save(art.identity(fp), tmp_path / "saved-identity")
     rc = eval_cli.main(["--methods", "bf16,identity,hadamard,hadamard-center", "--data", "code", "--eval-data",
                         "docs-eval", "--tokens", "1024", "--seq-len", "512", "--sink", "8", "--recent", "32",
                         "--ppl-contexts", "512", "--ppl-seqs", "1", "--niah-lengths", "256", "--niah-depths", "0.5",
-                        "--niah-trials", "1", "--out", str(tmp_path), "--quiet", "--dtype", "float32"])
+                        "--niah-trials", "1", "--policy-bits", "3", "--policy-base", "hadamard-center",
+                        "--artifacts", f"saved={saved}", "--out", str(tmp_path / "out"), "--quiet",
+                        "--dtype", "float32"])
     assert rc == 0
+    tmp_path = tmp_path / "out"
+    res = json.loads((tmp_path / "accuracy.json").read_text())["results"]
+    assert list(res) == ["bf16", "identity", "hadamard", "hadamard-center", "saved", "hadamard-center@3"]
+    pol, base = res["hadamard-center@3"], res["hadamard-center"]
+    assert base["bits_per_element"] == 2.5 and 2.5 < pol["bits_per_element"] <= 3.0
+    assert sum(pol["layer_errors"]) < sum(base["layer_errors"])      # the policy's layers err less
+    assert res["saved"]["ppl"] == res["identity"]["ppl"]             # the same rotations, evaluated alike
+    table = (tmp_path / "accuracy_table.md").read_text()
+    assert "| bits/elt |" in table and "| hadamard-center@3 | " in table
     diag = json.loads((tmp_path / "diagnostics.json").read_text())
     rows = diag["rows"]
     assert len(rows) == 30 * 3 * 2                                   # layers x KV heads x (K, V)
-    assert set(rows[0]["error"]) == {"identity", "hadamard", "hadamard-center"}
+    assert set(rows[0]["error"]) == {"identity", "hadamard", "hadamard-center", "saved", "hadamard-center@3"}
     keys = [r for r in rows if r["tensor"] == "k"]
     mean = {m: sum(r["error"][m] for r in keys) / len(keys) for m in rows[0]["error"]}
     assert mean["hadamard-center"] < mean["hadamard"] < mean["identity"]   # each lever helps the keys on average

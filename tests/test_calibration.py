@@ -10,17 +10,12 @@ from oscar_sglang.calibration import calibrate as cal
 from oscar_sglang.calibration import capture, fit, optr, served, simulate
 from oscar_sglang.calibration.stats import StatsCollector
 
-from tiny_llama import D, KV_HEADS, Q_HEADS, tiny_llama  # noqa: E402
+from tiny_llama import D, KV_HEADS, Q_HEADS, tiny_llama_large_keys  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = tiny_llama().double()
-    # Give keys a constant offset (as real RoPE keys have) so centering has something to remove.
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.k_proj.weight.mul_(3.0)
-    return model
+    return tiny_llama_large_keys()
 
 
 def _sequences(n, length, seed=1):

@@ -14,7 +14,7 @@ from oscar_sglang.calibration import evaluate, fit, policy, served
 from oscar_sglang.calibration.stats import LayerSample
 from oscar_sglang.format import RowFormat
 
-from tiny_llama import D, KV_HEADS, Q_HEADS, tiny_llama  # noqa: E402
+from tiny_llama import tiny_llama_large_keys  # noqa: E402
 
 
 def test_candidate_formats_per_head_dim():
@@ -144,11 +144,7 @@ def test_measured_error_falls_with_bits_and_the_data_free_clip_stays_valid():
 
 @pytest.fixture(scope="module")
 def tiny():
-    model = tiny_llama().double()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.k_proj.weight.mul_(3.0)
-    return model
+    return tiny_llama_large_keys()
 
 
 def test_policy_step_on_a_tiny_model_writes_a_v2_artifact_with_lower_errors(tiny, tmp_path):

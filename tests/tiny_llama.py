@@ -15,3 +15,13 @@ def tiny_llama(seed: int = 0):
                       max_position_embeddings=256, rope_theta=1000.0, attn_implementation="sdpa",
                       architectures=["LlamaForCausalLM"])
     return LlamaForCausalLM(cfg).float().eval()
+
+
+def tiny_llama_large_keys(seed: int = 0):
+    """``tiny_llama`` in float64 with keys scaled up 3x (large key ranges, as real RoPE keys have), so
+    centering, clipping and wider formats have something to act on."""
+    model = tiny_llama(seed).double()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(3.0)
+    return model
