@@ -28,13 +28,17 @@ raises "No supported accelerator"), and it accepts only its listed attention
 backends (fa3, flashinfer, triton, ...), not oscar_int2.  Measured on this CPU: the log probabilities of the same greedy tokens
 move by at most 0.14 nats (BF16) and 0.19 nats (INT2) between sequential and
 16-way concurrent requests, and the answers that differ do so at exact BF16
-ties (top-2 margin 0 or 0.125).  So "equal answers" is asserted as: every log
-probability along the common tokens within ``NOISE`` (0.4 nats, twice the
-largest measured move) of the reference, and the
-first differing token (if any) only where the reference's top-2 margin is
-below ``2 * NOISE`` -- a near-tie a perturbation of that size can flip.  A
-leak between requests, a wrong hot row or a stale cache entry moves log
-probabilities by whole nats and fails this.
+ties (top-2 margin 0 or 0.125).  On a CPU with native bf16 (AVX-512-BF16,
+2026-12-01) single tokens move more, by 0.42 and 0.51 nats (the same at the
+commit before the precision policy: the bf16 GEMMs of other batch shapes round
+differently there, and an INT2 code on a rounding boundary flips), while the
+mean over an answer's tokens stays at most 0.15.  So "equal answers" is
+asserted as: the log probabilities along the common tokens within ``NOISE``
+(0.4 nats) of the reference on average and within ``NOISE_ONE_TOKEN`` (1 nat)
+each, and the first differing token (if any) only where the reference's top-2
+margin is below ``2 * NOISE`` -- a near-tie a perturbation of that size can
+flip.  A leak between requests, a wrong hot row or a stale cache entry moves
+log probabilities by whole nats, token after token, and fails this.
 """
 
 import concurrent.futures
@@ -55,7 +59,8 @@ FIRST_TOKENS = 3
 SINK, RECENT = 4, 16
 SERVER_FLAGS = ("--max-total-tokens", "2048")
 INT2_FLAGS = ("--kv-cache-dtype", "oscar-int2", "--oscar-sink", str(SINK), "--oscar-recent", str(RECENT))
-NOISE = 0.4  # nats: bound on float noise of a log probability between batchings (measured <= 0.19)
+NOISE = 0.4  # nats: bound on the mean float noise of log probabilities between batchings (measured <= 0.15)
+NOISE_ONE_TOKEN = 1.0  # nats: bound for one token (measured <= 0.19 on AVX2, 0.51 with native bf16)
 AGREE_TOKENS = 8  # greedy tokens compared with BF16 on the factual prompts
 NEW_TOKENS = 12  # tokens of the cache and concurrency requests
 LOG_INTERVAL = 4  # --decode-log-interval of the Hadamard server: the hot pool's log line and metrics
@@ -154,9 +159,12 @@ def _same_up_to_noise(ref, other, what):
     """
     n = _leading_agreement(ref["ids"], other["ids"])
     moved = [abs(a - b) for a, b in zip(ref["logprobs"][:n], other["logprobs"][:n])]
-    assert max(moved, default=0.0) < NOISE, (
-        f"{what}: log probabilities moved by {max(moved):.3f} nats on the same tokens "
-        f"(noise bound {NOISE}): {ref['text']!r} vs {other['text']!r}")
+    mean = sum(moved) / len(moved) if moved else 0.0
+    assert max(moved, default=0.0) < NOISE_ONE_TOKEN and mean < NOISE, (
+        f"{what}: log probabilities moved by up to {max(moved, default=0.0):.3f} nats, {mean:.3f} on average, on "
+        f"the same tokens (noise bounds {NOISE_ONE_TOKEN} per token, {NOISE} on average): "
+        f"{ref['text']!r} vs {other['text']!r}")
+    print(f"  {what}: {n} equal leading tokens, log-prob moves up to {max(moved, default=0.0):.3f}, mean {mean:.3f}")
     if n < len(ref["ids"]):
         assert ref["margins"][n] < 2 * NOISE, (
             f"{what}: differs at token {n} where the reference's top-2 margin is {ref['margins'][n]:.3f} "
