@@ -197,14 +197,13 @@ def heldout_check(costs: OptionCosts, budget_bits: float) -> dict:
     n = costs.err.shape[-1]
     base = torch.zeros(costs.err.shape[0], 2, dtype=torch.long)
     folds = []
-    for f in range(n):
-        if n < 2:
-            break
-        rest = [g for g in range(n) if g != f]
-        c = choose(costs, budget_bits, rest)
-        folds.append({"heldout": costs.group_names[f], "base": costs.total(base, [f]),
-                      "policy": costs.total(c, [f]), "uniform": costs.total(uniform_choice(costs, budget_bits), [f]),
-                      "policy_all_groups": costs.total(choose(costs, budget_bits), [f])})
+    if n >= 2:
+        uniform, on_all = uniform_choice(costs, budget_bits), choose(costs, budget_bits)
+        for f in range(n):
+            c = choose(costs, budget_bits, [g for g in range(n) if g != f])
+            folds.append({"heldout": costs.group_names[f], "base": costs.total(base, [f]),
+                          "policy": costs.total(c, [f]), "uniform": costs.total(uniform, [f]),
+                          "policy_all_groups": costs.total(on_all, [f])})
     beats_base = all(x["policy"] < x["base"] for x in folds) if folds else None
     beats_uniform = all(x["policy"] <= x["uniform"] for x in folds) if folds else None
     return {"folds": folds, "beats_base_on_every_heldout_group": beats_base,
