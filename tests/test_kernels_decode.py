@@ -117,15 +117,7 @@ def test_reference_on_a_mixed_store_is_attention_over_the_format_rows(kf, vf):
     assert not torch.equal(kq, kr.bfloat16().float())  # some rows are cold
     q = torch.randn(len(lens), KV * gqa, d, generator=torch.Generator().manual_seed(12))
     qr = rotate_queries(q, rot.k_rot)
-    want = torch.zeros_like(qr)
-    first = 0
-    for b, n in enumerate(lens):
-        kb = kq[first:first + n].repeat_interleave(gqa, 1)
-        vb = vq[first:first + n].repeat_interleave(gqa, 1)
-        first += n
-        p = (torch.einsum("hd,thd->ht", qr[b], kb) * d**-0.5).softmax(-1)
-        want[b] = torch.einsum("ht,thd->hd", p, vb)
-    want = derotate_output(want, rot.v_rot)
+    want = derotate_output(_dense_per_request(qr, kq, vq, lens, gqa), rot.v_rot)
     out = reference.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens,
                                      d**-0.5)
     assert torch.allclose(out, want, atol=1e-5, rtol=1e-5), (out - want).abs().max()
@@ -143,14 +135,9 @@ def test_reference_with_every_token_hot_is_plain_attention():
     api.write_kv(k, v, slots, store, rot, scenario.assign_hot(store, paged, 100, 0)[slots])
     q = torch.randn(2, KV * gqa, d)
     out = api.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
-    first = 0
-    for b, n in enumerate(lens):
-        kb = k[first:first + n].repeat_interleave(gqa, 1)
-        vb = v[first:first + n].repeat_interleave(gqa, 1)
-        first += n
-        p = (torch.einsum("hd,thd->ht", q[b], kb) * d**-0.5).softmax(-1)
-        want = torch.einsum("ht,thd->hd", p, vb)
-        assert torch.allclose(out[b], want, atol=0.03, rtol=0.02)  # bf16 hot rows
+    want = _dense_per_request(q, k, v, lens, gqa)
+    for b in range(len(lens)):
+        assert torch.allclose(out[b], want[b], atol=0.03, rtol=0.02)  # bf16 hot rows
 
 
 def test_bf16_baseline_kernel_is_plain_attention():
@@ -193,3 +180,16 @@ def test_grouped_rotation_glue_equals_the_per_head_formula():
     assert rotation.rotate_queries(q.float(), rot.k_rot).dtype == torch.float32
     with pytest.raises(ValueError, match="cannot be grouped"):
         rotation.rotate_queries(torch.randn(2, 5, 64), rot.k_rot)
+
+
+def _dense_per_request(q, k, v, lens, gqa):
+    """Plain softmax attention of each request's query ``q[b] [q_heads, d]`` over its rows of ``k, v``
+    (requests' rows back to back, ``[tokens, kv_heads, d]``), query head ``h`` on KV head ``h // gqa``."""
+    out, first = torch.zeros(q.shape, dtype=torch.float32, device=q.device), 0
+    for b, n in enumerate(lens):
+        kb = k[first:first + n].float().repeat_interleave(gqa, 1)
+        vb = v[first:first + n].float().repeat_interleave(gqa, 1)
+        first += n
+        p = (torch.einsum("hd,thd->ht", q[b].float(), kb) * q.shape[-1] ** -0.5).softmax(-1)
+        out[b] = torch.einsum("ht,thd->hd", p, vb)
+    return out
