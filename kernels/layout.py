@@ -168,13 +168,12 @@ def _expect(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> Non
 
 
 def row_tensors(num_slots: int, kv_heads: int, head_dim: int, form: fmt.RowFormat,
-                device: torch.device | str = "cpu", layers: int | None = None) -> tuple[torch.Tensor, ...]:
-    """Zeroed ``codes, scale, zero`` of one side (K or V) in ``form``; with ``layers``, stacked ``[layers, ...]``."""
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Zeroed ``codes, scale, zero`` of one side (K or V) of one layer in ``form``."""
     f = form.resolved(head_dim)
-    lead = () if layers is None else (layers,)
     n, h, d = num_slots, kv_heads, head_dim
-    codes = torch.zeros(*lead, n, h, d * f.bits // 8, dtype=torch.uint8, device=device)
-    scale, zero = (torch.zeros(*lead, n, h, d // f.group, dtype=torch.float16, device=device) for _ in range(2))
+    codes = torch.zeros(n, h, d * f.bits // 8, dtype=torch.uint8, device=device)
+    scale, zero = (torch.zeros(n, h, d // f.group, dtype=torch.float16, device=device) for _ in range(2))
     return codes, scale, zero
 
 

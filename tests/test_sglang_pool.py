@@ -118,10 +118,18 @@ def test_hot_plan_keeps_every_window_of_its_requests_through_a_prefill_burst():
             assert all(windows_hot(r) for r in range(R))
 
 
+def _int2(layers, group=None):
+    """Every layer's K and V in INT2 rows of ``group``."""
+    return [art.LayerFormat(fmt.RowFormat(2, group), fmt.RowFormat(2, group))] * layers
+
+
 def test_sizing_int2_cell_and_hot_plan():
     # SmolLM2: 30 layers, 3 KV heads, d 64, G 64: a row is 16 B of codes + 4 B of scale/zero
-    assert sizing.int2_bytes_per_token(30, 3, 64, 64) == 30 * 2 * 3 * 20 == 3600
-    assert sizing.int2_bytes_per_token(30, 3, 64, 32) == 30 * 2 * 3 * (16 + 8)
+    assert sizing.rows_bytes_per_token(_int2(30), 3, 64) == 30 * 2 * 3 * 20 == 3600
+    assert sizing.rows_bytes_per_token(_int2(30, 32), 3, 64) == 30 * 2 * 3 * (16 + 8)
+    # a policy's mix: each layer's K and V rows at their own widths (INT4 keys: 32 B + 4 B; INT8 values: 64 + 4)
+    mixed = [art.LayerFormat(fmt.RowFormat(4), fmt.RowFormat(2))] + [art.LayerFormat(fmt.RowFormat(2), fmt.RowFormat(8))]
+    assert sizing.rows_bytes_per_token(mixed, 3, 64) == 3 * ((36 + 20) + (20 + 68))
     assert sizing.bf16_bytes_per_token(30, 3, 64) == 30 * 2 * 3 * 64 * 2 == 23040
     # 32 requests, sink 64, recent 256: one window of each kind per request + a quarter for bursts
     plan = sizing.hot_plan(32, 64, 256)
@@ -146,7 +154,7 @@ def test_capacity_ratio_meets_the_goals_at_a_gpu_sized_budget():
     for layers, kv, d, goal in ((30, 3, 64, 6.0), (32, 8, 128, 6.8)):
         bf16 = sizing.capacity_tokens(budget, sizing.bf16_bytes_per_token(layers, kv, d))
         hot = sizing.hot_plan(32, 64, 256).nbytes(layers, kv, d)
-        int2 = sizing.capacity_tokens(budget, sizing.int2_bytes_per_token(layers, kv, d, d), fixed_bytes=hot)
+        int2 = sizing.capacity_tokens(budget, sizing.rows_bytes_per_token(_int2(layers), kv, d), fixed_bytes=hot)
         assert int2 / bf16 >= goal, (d, int2 / bf16)
         assert int2 / bf16 < 16 / (2 + 32 / d)      # never above the format's own ratio
 

@@ -22,15 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oscar_sglang import format as fmt
 
 BF16_BYTES = 2
 BURST_SHARE = 4  # each region holds hot_requests windows + 1/4 of that (at least one) for bursts
-
-
-def int2_bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, group_size: int) -> int:
-    """INT2 rows (codes, scale, zero) of K and V, all layers, one format everywhere."""
-    return num_layers * 2 * kv_heads * fmt.bytes_per_row(head_dim, group_size)
 
 
 def rows_bytes_per_token(formats, kv_heads: int, head_dim: int) -> int:
