@@ -87,9 +87,16 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     st = _state
     if st is None:
         raise RuntimeError(f"attention {ATTN_NAME!r} used outside simulate.simulated()")
-    layer = st.layer(module.layer_idx, query.device)
     b, h, s, d = query.shape
     g, t = key.shape[1], key.shape[2]
+    if st.mode == "serve" and s == t and not st.measure:
+        # A prefill with no cached prefix reads only its own tokens, all exact: plain attention, without
+        # materialising two [s, t] logit tensors in float32 (the cost of a long pass-key prompt).
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = st.layer(module.layer_idx, query.device)
     rep = h // g
     scale = scaling if scaling is not None else d ** -0.5
     lf = st.artifact.layer_formats[module.layer_idx]

@@ -154,9 +154,17 @@ def test_sink_and_recent_windows_are_exact_under_quantization(tiny):
     wide = _artifact(tiny, "hadamard", sink=0, recent=48)
     with simulate.simulated(tiny, simulate.SimState(wide, mode="decode")):
         assert torch.allclose(_logits(tiny, ids), ref, atol=1e-10)
-    # Serving: a prefill is exact among its own tokens.
+    # Serving: a prefill is exact among its own tokens...
     with simulate.simulated(tiny, simulate.SimState(a, mode="serve")):
         assert torch.allclose(_logits(tiny, ids), ref, atol=1e-10)
+    # ...and the decode steps after it read the keys outside the windows from INT2.
+    def next_logits(state):
+        with torch.no_grad(), simulate.simulated(tiny, state):
+            out = tiny(ids[:-1].reshape(1, -1), use_cache=True)
+            return tiny(ids[-1:].reshape(1, -1), past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
+    assert torch.allclose(next_logits(simulate.SimState(a, mode="serve", quantize=False)), ref[-1], atol=1e-9)
+    assert not torch.allclose(next_logits(simulate.SimState(a, mode="serve")), ref[-1], atol=1e-3)
+    assert torch.allclose(next_logits(simulate.SimState(wide, mode="serve")), ref[-1], atol=1e-9)
 
 
 def test_decode_mask_matches_token_by_token_reads():
