@@ -321,9 +321,12 @@ def cross_domain(args, methods, argv) -> int:
     for m in tqdm([m for m in methods if m in UNCALIBRATED], desc="evaluate references", disable=not progress):
         a = None if m == "bf16" else art.BUILDERS[m](art.ModelFingerprint.from_config(lm.config))
         t = time.time()
-        results.append({"method": m, "calibration": None, "ppl": measure(a), "seconds": round(time.time() - t, 1)})
+        results.append({"method": m, "calibration": None, "ppl": measure(a), "seconds": round(time.time() - t, 1),
+                        "bits_per_element": 16.0 if a is None else round(a.bits_per_element, 4)})
     calibrations = {}
     calibrated = [m for m in methods if m not in UNCALIBRATED]
+    if args.policy_bits and args.policy_base not in calibrated:
+        calibrated.append(args.policy_base)  # fitted for the policy; evaluated too, as the policy's base
     for c in cal_specs:
         cfg = CalibrationConfig(method="optr", sink=args.sink, recent=args.recent, group_size=args.group,
                                 seed=args.seed, optr=OptRConfig())
@@ -336,17 +339,21 @@ def cross_domain(args, methods, argv) -> int:
                            "statistics_seconds": round(time.time() - t, 1)}
         summary = {"data": {"spec": c, "texts": list(cal_texts[c])}, "tokens": calibrations[c]["tokens"],
                    "seed": args.seed}
+        fitted = {}
         for m in calibrated:
             t = time.time()
             cfg.method = m
-            a, _ = fit(lm, stats, cfg, dict(summary), progress)
+            fitted[m], _ = fit(lm, stats, cfg, dict(summary), progress)
             fit_s = round(time.time() - t, 1)
-            if args.save_artifacts:
-                art.save(a, args.save_artifacts / f"{c.replace(':', '_')}-{m}")
+            results.append(_cross_result(args, c, m, fitted[m], fit_s, measure))
+        for b in args.policy_bits:
             t = time.time()
-            results.append({"method": m, "calibration": c, "ppl": measure(a), "fit_seconds": fit_s,
-                            "seconds": round(time.time() - t, 1), **_decisions(a)})
-        del stats
+            cfg.bits = b
+            name = f"{args.policy_base}@{b:g}"
+            fitted[name] = apply_policy(lm, stats, fitted[args.policy_base], cfg, progress)
+            results.append(_cross_result(args, c, name, fitted[name], round(time.time() - t, 1), measure))
+        cfg.bits = None
+        del stats, fitted
 
     meta = {
         "date": datetime.date.today().isoformat(),
@@ -371,6 +378,15 @@ def cross_domain(args, methods, argv) -> int:
     return 0
 
 
+def _cross_result(args, cal: str, name: str, a: art.RotationArtifacts, fit_s: float, measure) -> dict:
+    if args.save_artifacts:
+        art.save(a, args.save_artifacts / f"{cal.replace(':', '_')}-{name}")
+    t = time.time()
+    return {"method": name, "calibration": cal, "ppl": measure(a), "fit_seconds": fit_s,
+            "seconds": round(time.time() - t, 1), "bits_per_element": round(a.bits_per_element, 4),
+            "formats": a.policy_summary(), **_decisions(a)}
+
+
 def cross_domain_table(results: list[dict], eval_specs: list[str], windows: list[str]) -> str:
     """Tail perplexity per method and calibration text (rows) and evaluation text (columns), one table per window;
     in brackets the change against the exact cache (``bf16``), then a comparison with ``hadamard-center``."""
@@ -379,8 +395,8 @@ def cross_domain_table(results: list[dict], eval_specs: list[str], windows: list
     for w in windows:
         sink, recent = w.split(":")
         lines = [f"**sink {sink} / recent {recent}** (tail: positions >= {int(sink) + int(recent)})", "",
-                 "| method | calibrated on | " + " | ".join(eval_specs) + " |",
-                 "|---|---|" + "---:|" * len(eval_specs)]
+                 "| method | bits/elt | calibrated on | " + " | ".join(eval_specs) + " |",
+                 "|---|---:|---|" + "---:|" * len(eval_specs)]
         for r in results:
             cells = []
             for e in eval_specs:
@@ -389,7 +405,8 @@ def cross_domain_table(results: list[dict], eval_specs: list[str], windows: list
                     cells.append(f"{v:.2f}")
                 else:
                     cells.append(f"{v:.2f} ({100 * (v / ref['ppl'][e][w]['ppl_tail'] - 1):+.1f} %)")
-            lines.append(f"| {r['method']} | {r['calibration'] or '–'} | " + " | ".join(cells) + " |")
+            bits = f"{r['bits_per_element']:.2f}" if "bits_per_element" in r else "–"
+            lines.append(f"| {r['method']} | {bits} | {r['calibration'] or '–'} | " + " | ".join(cells) + " |")
         blocks.append("\n".join(lines))
     verdict = ["", "Against `hadamard-center` calibrated on the same text (tail perplexity, every evaluation "
                "text and window; `≤` means at least as good):", ""]

@@ -72,18 +72,24 @@ def test_cross_domain_table_is_written(tmp_path, capsys):
     rc = eval_cli.main(["--cross-domain", "--cross-cal", "code", "--cross-eval", "docs-eval,shakespeare-eval",
                         "--methods", "bf16,hadamard,hadamard-center", "--tokens", "1024", "--seq-len", "512",
                         "--sink", "8", "--recent", "32", "--ppl-contexts", "512", "--ppl-seqs", "1",
-                        "--windows", "8:32,4:16", "--out", str(tmp_path), "--quiet", "--dtype", "float32"])
+                        "--windows", "8:32,4:16", "--policy-bits", "3", "--policy-base", "hadamard-center",
+                        "--out", str(tmp_path), "--quiet", "--dtype", "float32"])
     assert rc == 0
     got = json.loads((tmp_path / "accuracy_cross_domain.json").read_text())
     assert got["meta"]["windows"] == ["8:32", "4:16"] and set(got["meta"]["evaluation"]) == {"docs-eval",
                                                                                            "shakespeare-eval"}
     rows = {(r["method"], r["calibration"]): r for r in got["results"]}
-    assert set(rows) == {("bf16", None), ("hadamard", None), ("hadamard-center", "code")}
+    assert set(rows) == {("bf16", None), ("hadamard", None), ("hadamard-center", "code"),
+                         ("hadamard-center@3", "code")}
+    assert rows[("bf16", None)]["bits_per_element"] == 16 and rows[("hadamard", None)]["bits_per_element"] == 2.5
+    policy = rows[("hadamard-center@3", "code")]
+    assert 2.5 < policy["bits_per_element"] <= 3 and policy["formats"] != rows[("hadamard-center", "code")]["formats"]
     for r in rows.values():
         for e in ("docs-eval", "shakespeare-eval"):
             assert set(r["ppl"][e]) == {"8:32", "4:16"} and r["ppl"][e]["8:32"]["ppl_tail"] > 1
     md = (tmp_path / "accuracy_cross_domain.md").read_text()
-    assert "oscar-eval --cross-domain" in md and "| hadamard-center | code |" in md
+    assert "oscar-eval --cross-domain" in md and "| hadamard-center | 2.50 | code |" in md
+    assert f"| hadamard-center@3 | {policy['bits_per_element']:.2f} | code |" in md
 
 
 def test_eval_writes_accuracy_and_diagnostics(tmp_path, capsys):
