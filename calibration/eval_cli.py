@@ -237,6 +237,7 @@ def single(args, methods, argv) -> int:
             r["bits_per_element"] = round(a.bits_per_element, 4)
             r["formats"] = a.policy_summary()
         results[m] = r
+        _checkpoint(args.out, "accuracy.partial.json", results)
 
     meta = {
         "date": datetime.date.today().isoformat(),
@@ -245,11 +246,12 @@ def single(args, methods, argv) -> int:
         "calibration": {"spec": args.data, "texts": list(cal_texts), "tokens": summary["tokens"],
                         "seq_len": args.seq_len},
         "evaluation": {"spec": args.eval_data, "texts": list(eval_texts), "niah_haystack": eval_name},
-        "sink": args.sink, "recent": args.recent, "group": args.group or lm.config.head_dim,
+        "sink": args.sink, "recent": args.recent, "group": args.group or art.ModelFingerprint.from_config(lm.config).head_dim,
         "fit_seconds": timings, "total_seconds": round(time.time() - t0, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "accuracy.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    (args.out / "accuracy.partial.json").unlink(missing_ok=True)
     table = report.accuracy_table(results)
     (args.out / "accuracy_table.md").write_text(table + "\n")
     title = (f"{Path(meta['model']).name}: calibrated on {args.data} ({summary['tokens']} tok), "
@@ -268,6 +270,12 @@ def single(args, methods, argv) -> int:
         written += ", diagnostics.{md,json,png}"
     print(f"\nwrote {args.out}/{written} in {round(time.time() - t0, 1)} s")
     return 0
+
+
+def _checkpoint(out: Path, name: str, results) -> None:
+    """Results so far, rewritten after every method: a long run that fails late loses nothing measured."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps({"partial": True, "results": results}, indent=1) + "\n")
 
 
 def _decisions(a: art.RotationArtifacts) -> dict:
@@ -323,6 +331,7 @@ def cross_domain(args, methods, argv) -> int:
         t = time.time()
         results.append({"method": m, "calibration": None, "ppl": measure(a), "seconds": round(time.time() - t, 1),
                         "bits_per_element": 16.0 if a is None else round(a.bits_per_element, 4)})
+        _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
     calibrations = {}
     calibrated = [m for m in methods if m not in UNCALIBRATED]
     if args.policy_bits and args.policy_base not in calibrated:
@@ -346,12 +355,14 @@ def cross_domain(args, methods, argv) -> int:
             fitted[m], _ = fit(lm, stats, cfg, dict(summary), progress)
             fit_s = round(time.time() - t, 1)
             results.append(_cross_result(args, c, m, fitted[m], fit_s, measure))
+            _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
         for b in args.policy_bits:
             t = time.time()
             cfg.bits = b
             name = f"{args.policy_base}@{b:g}"
             fitted[name] = apply_policy(lm, stats, fitted[args.policy_base], cfg, progress)
             results.append(_cross_result(args, c, name, fitted[name], round(time.time() - t, 1), measure))
+            _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
         cfg.bits = None
         del stats, fitted
 
@@ -365,12 +376,13 @@ def cross_domain(args, methods, argv) -> int:
                            "provenance": getattr(t, "provenance", {})} for e, t in eval_texts.items()},
         "windows": [f"{s}:{r}" for s, r in args.windows],
         "metric": "teacher-forced perplexity over the tail: predicted positions >= sink + recent (INT2 reads begin)",
-        "group": args.group or lm.config.head_dim,
+        "group": args.group or art.ModelFingerprint.from_config(lm.config).head_dim,
         "total_seconds": round(time.time() - t0, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "accuracy_cross_domain.json").write_text(
         json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    (args.out / "accuracy_cross_domain.partial.json").unlink(missing_ok=True)
     table = cross_domain_table(results, eval_specs, meta["windows"])
     (args.out / "accuracy_cross_domain.md").write_text(_cross_domain_doc(meta, table))
     print(table)

@@ -90,7 +90,7 @@ def niah(model, tokenizer, haystack: str, artifact: RotationArtifacts | None, le
     with _sim(model, artifact, mode="serve", sink=sink, recent=recent):
         for li, length in enumerate(lengths):
             for di, depth in enumerate(depths):
-                hits = 0
+                hits = []
                 answers = []
                 for trial in range(trials):
                     key = keys[li][di][trial]
@@ -100,7 +100,8 @@ def niah(model, tokenizer, haystack: str, artifact: RotationArtifacts | None, le
                     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                          do_sample=False, pad_token_id=tokenizer.eos_token_id)
                     answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-                    hits += key in answer
+                    hits.append(key in answer)
                     answers.append(answer.strip())
-                rows.append({"length": length, "depth": depth, "accuracy": hits / trials, "answers": answers})
+                rows.append({"length": length, "depth": depth, "accuracy": sum(hits) / trials, "hits": hits,
+                             "keys": keys[li][di], "answers": answers})
     return rows

@@ -14,20 +14,28 @@ def _plt():
     return plt
 
 
+def niah_hits(niah: list[dict]) -> list[bool]:
+    """Every trial's outcome, in a fixed order (length, depth, trial)."""
+    return [bool(h) for x in niah for h in x.get("hits", [])]
+
+
 def accuracy_table(results: dict) -> str:
-    """One row per method: perplexities, mean layer error, NIAH accuracy."""
+    """One row per method: perplexities, mean layer error, pass keys found, and how many of BF16's it keeps."""
     ctxs = sorted({int(c) for r in results.values() for c in r["ppl"]})
+    ref = niah_hits((results.get("bf16") or {}).get("niah") or [])
     head = ("| method | bits/elt | " + " | ".join(f"PPL {c} | PPL {c} tail" for c in ctxs)
-            + " | mean layer err | NIAH |")
-    lines = [head, "|---|---:|" + "---:|---:|" * len(ctxs) + "---:|---:|"]
+            + " | mean layer err | pass keys found | BF16's passes kept |")
+    lines = [head, "|---|---:|" + "---:|---:|" * len(ctxs) + "---:|---:|---:|"]
     for name, r in results.items():
         ppl = " | ".join(f"{r['ppl'][str(c)]['ppl']:.2f} | {r['ppl'][str(c)]['ppl_tail']:.2f}" for c in ctxs)
         err = r.get("layer_errors")
         err_s = f"{sum(err) / len(err):.3f}" if err else "0 (reference)"
-        niah = r.get("niah") or []
-        acc = sum(x["accuracy"] for x in niah) / len(niah) if niah else float("nan")
+        hits = niah_hits(r.get("niah") or [])
+        found = f"{sum(hits)}/{len(hits)}" if hits else "–"
+        kept = (f"{sum(a and b for a, b in zip(ref, hits))}/{sum(ref)}"
+                if ref and len(ref) == len(hits) and name != "bf16" else "–")
         bits = r.get("bits_per_element")
-        lines.append(f"| {name} | {bits if bits is not None else 16:g} | {ppl} | {err_s} | {acc:.0%} |")
+        lines.append(f"| {name} | {bits if bits is not None else 16:g} | {ppl} | {err_s} | {found} | {kept} |")
     return "\n".join(lines)
 
 

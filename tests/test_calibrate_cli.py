@@ -76,6 +76,7 @@ def test_cross_domain_table_is_written(tmp_path, capsys):
                         "--out", str(tmp_path), "--quiet", "--dtype", "float32"])
     assert rc == 0
     got = json.loads((tmp_path / "accuracy_cross_domain.json").read_text())
+    assert not (tmp_path / "accuracy_cross_domain.partial.json").exists()   # the checkpoint gives way to the result
     assert got["meta"]["windows"] == ["8:32", "4:16"] and set(got["meta"]["evaluation"]) == {"docs-eval",
                                                                                            "shakespeare-eval"}
     rows = {(r["method"], r["calibration"]): r for r in got["results"]}
@@ -110,13 +111,18 @@ def test_eval_writes_accuracy_and_diagnostics(tmp_path, capsys):
     assert rc == 0
     tmp_path = tmp_path / "out"
     res = json.loads((tmp_path / "accuracy.json").read_text())["results"]
+    assert not (tmp_path / "accuracy.partial.json").exists()
     assert list(res) == ["bf16", "identity", "hadamard", "hadamard-center", "saved", "hadamard-center@3"]
     pol, base = res["hadamard-center@3"], res["hadamard-center"]
     assert base["bits_per_element"] == 2.5 and 2.5 < pol["bits_per_element"] <= 3.0
     assert sum(pol["layer_errors"]) < sum(base["layer_errors"])      # the policy's layers err less
     assert res["saved"]["ppl"] == res["identity"]["ppl"]             # the same rotations, evaluated alike
     table = (tmp_path / "accuracy_table.md").read_text()
-    assert "| bits/elt |" in table and "| hadamard-center@3 | " in table
+    assert "| bits/elt |" in table and "| hadamard-center@3 | " in table and "BF16's passes kept" in table
+    for r in res.values():
+        assert len(r["niah"][0]["hits"]) == 1 and r["niah"][0]["accuracy"] == float(r["niah"][0]["hits"][0])
+    bf16_found = int(res["bf16"]["niah"][0]["hits"][0])
+    assert "| bf16 | 16 |" in table and f"| {bf16_found}/1 | – |" in table
     diag = json.loads((tmp_path / "diagnostics.json").read_text())
     rows = diag["rows"]
     assert len(rows) == 30 * 3 * 2                                   # layers x KV heads x (K, V)
