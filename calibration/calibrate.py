@@ -74,6 +74,8 @@ class CalibrationConfig:
     seed: int = 0
     # Precision policy (policy.py): average stored bits per K/V element; None: every layer INT2 (no policy).
     bits: float | None = None
+    # Per-channel key scaling (key_scale.py), searched after the rotation and clips, held-out checked.
+    key_scaling: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -347,7 +349,21 @@ def fit(model, stats: GroupedStatistics | StatsCollector | None, cfg: Calibratio
                                  cfg.seed + i)
             row.update({name: res[name].tolist() for name in
                         ("k_heldout_before", "k_heldout_after", "k_kept", "v_heldout_before", "v_heldout_after", "v_kept")})
-        layers.append(art.LayerRotation(r_k.float(), r_v.float(), mu.float(), clips["k_clip"], clips["v_clip"]))
+        k_scale = None
+        if cfg.key_scaling:
+            from . import key_scale
+
+            rotated = _rotated(st.samples, r_k, r_v, mu, cfg, scale,
+                               _positions(st.samples, cfg, cfg.decision_queries, cfg.seed + 3000 + i))
+            ks = key_scale.search(rotated, sample_groups, n_groups, clips["k_clip"], group)
+            k_scale, clips["k_clip"] = ks["k_scale"], ks["k_clip"]
+            row.update({"k_scale_kept": ks["kept"].tolist(), "k_scale_exponent": ks["exponent"],
+                        "k_rel_error_scaled": ks["rel_error"].tolist(),
+                        "k_heldout_scaled": ks["heldout_scaled"].tolist(),
+                        "k_heldout_unscaled": ks["heldout_unscaled"].tolist(),
+                        "k_rel_error_unscaled": ks["rel_error_unscaled"].tolist()})
+        layers.append(art.LayerRotation(r_k.float(), r_v.float(), mu.float(), clips["k_clip"], clips["v_clip"],
+                                        k_scale))
         row.update({name: v.tolist() for name, v in clips.items()})
         report.append(row)
     summary = {**summary, "method_seconds": round(time.time() - t0, 1), "layers": report,
@@ -390,7 +406,8 @@ def summary_table(report: list[dict]) -> str:
     totals = []
     for key, label in (("k_oscar", "OSCAR eigenbasis kept (K)"), ("v_oscar", "OSCAR eigenbasis kept (V)"),
                        ("k_clip_kept", "searched clip kept (K)"), ("v_clip_kept", "searched clip kept (V)"),
-                       ("k_kept", "OptR rotation kept (K)"), ("v_kept", "OptR rotation kept (V)")):
+                       ("k_kept", "OptR rotation kept (K)"), ("v_kept", "OptR rotation kept (V)"),
+                       ("k_scale_kept", "key channel scaling kept")):
         if key in report[0]:
             totals.append(f"{label}: {sum(sum(r[key]) for r in report)}/{sum(len(r[key]) for r in report)}")
     if totals:

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision policy: average stored bits per K/V element over all layers (scale and zero "
                         f"included); per layer and K/V the best of INT2 / INT2 with smaller groups / INT4 / INT8 "
                         f"(default {DEFAULT_BITS}: capacity >= 5.5x BF16); 'int2': INT2 rows everywhere")
+    p.add_argument("--key-scaling", action="store_true",
+                   help="also learn a per-channel key scale per KV head (folded into the key transform, its "
+                        "inverse into the query's; kept only where it passes the held-out check)")
     p.add_argument("--value-weighting", choices=("exact", "proxy"), default="exact",
                    help="C_S from exact attention probabilities or the k C_Q k proxy")
     p.add_argument("--keep-sequences", type=int, default=4, help="sequences used by clip search and OptR")
@@ -98,6 +101,7 @@ def main(argv=None) -> int:
         cfg = CalibrationConfig(
             method=args.method, sink=args.sink, recent=args.recent, group_size=args.group,
             value_weighting=args.value_weighting, keep_sequences=args.keep_sequences, seed=args.seed, bits=args.bits,
+            key_scaling=args.key_scaling,
             optr=OptRConfig(steps=args.optr_steps, lr=args.optr_lr, output_weight=args.optr_lambda),
         )
         data_summary = {"spec": args.data, "texts": list(texts), "model": str(path)}

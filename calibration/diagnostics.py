@@ -43,12 +43,15 @@ def shape_statistics(x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def head_errors(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, clip: torch.Tensor,
-                group_size: int, bits: int = 2) -> torch.Tensor:
+                group_size: int, bits: int = 2, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Round-trip error per KV head (INT2 unless ``bits``), ``[kv_heads]``: ``||Q(x') - x'|| / ||x||`` over the
-    head's rows."""
-    xr = rot.rotate_kv(x, rotation, mean)
+    head's rows; with key channel scales ``scale [kv_heads, d]`` the rows are ``(x - mean) R diag(s)`` and the
+    error is measured back in the orthogonal frame (divided by ``s``), where norms are the model's."""
+    s = None if scale is None else scale.float()
+    xr = rot.rotate_kv(x, rotation if s is None else rotation * s.unsqueeze(-2), mean)
     xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1), bits=bits)
-    return (xq - xr).double().pow(2).sum((0, 2)).sqrt() / x.double().pow(2).sum((0, 2)).sqrt().clamp_min(1e-30)
+    diff = (xq - xr) if s is None else (xq - xr) / s
+    return diff.double().pow(2).sum((0, 2)).sqrt() / x.double().pow(2).sum((0, 2)).sqrt().clamp_min(1e-30)
 
 
 def diagnose(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], levers: dict[str, RotationArtifacts]) -> list[dict]:
@@ -64,7 +67,8 @@ def diagnose(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], levers: dict[str,
             for name, a in levers.items():
                 lr, lf = a.layers[layer], a.layer_formats[layer]
                 r, clip, f = (lr.k_rotation, lr.k_clip, lf.k) if which == "k" else (lr.v_rotation, lr.v_clip, lf.v)
-                errors[name] = head_errors(x, r, lr.k_mean if which == "k" else None, clip, f.group, f.bits)
+                errors[name] = head_errors(x, r, lr.k_mean if which == "k" else None, clip, f.group, f.bits,
+                                           lr.k_scale if which == "k" else None)
             for h in range(x.shape[1]):
                 row = {"layer": layer, "head": h, "tensor": which}
                 row.update({s: float(t[h]) for s, t in stats.items()})

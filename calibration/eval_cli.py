@@ -49,7 +49,9 @@ from . import model as model_io
 from .calibrate import METHODS, CalibrationConfig, apply_policy, collect_statistics, fit
 from .optr import OptRConfig
 
-EVAL_METHODS = ("bf16",) + METHODS
+KEY_SCALED = "+ks"  # method suffix: the same method with per-channel key scaling (key_scale.py)
+SCALABLE = tuple(m for m in METHODS if m not in ("identity", "hadamard"))
+EVAL_METHODS = ("bf16",) + METHODS + tuple(m + KEY_SCALED for m in SCALABLE)
 DEFAULT_METHODS = "bf16,identity,hadamard,hadamard-clip,hadamard-center,oscar,oscar-center,optr"
 CROSS_METHODS = "bf16,identity,hadamard,hadamard-center,oscar-center,optr"
 CROSS_CAL = "shakespeare,code,mix"
@@ -114,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="BF16 window settings SINK:RECENT,... for --cross-domain (default 64:256,4:32)")
     p.add_argument("--policy-bits", type=_floats, default=[],
                    help="precision-policy budgets (average bits per element) to evaluate, e.g. 2.75,3")
-    p.add_argument("--policy-base", default="optr", choices=METHODS[1:],
+    p.add_argument("--policy-base", default="optr", choices=METHODS[1:] + tuple(m + KEY_SCALED for m in SCALABLE),
                    help="calibrated method the policy starts from (default optr)")
     p.add_argument("--artifacts", type=_named_dirs, default={},
                    help="NAME=DIR,...: also evaluate these saved rotations directories (e.g. from --save-artifacts) "
@@ -160,6 +162,12 @@ def _load_model(args):
     return lm, tok, path, str(dtype).removeprefix("torch.")
 
 
+def _configure(cfg: CalibrationConfig, method: str) -> None:
+    """``optr+ks`` fits ``optr`` with key channel scaling; other names fit as they are."""
+    cfg.method = method.removesuffix(KEY_SCALED)
+    cfg.key_scaling = method.endswith(KEY_SCALED)
+
+
 def _command(argv) -> str:
     return "oscar-eval " + " ".join(argv if argv is not None else sys.argv[1:])
 
@@ -193,7 +201,7 @@ def single(args, methods, argv) -> int:
         timings["statistics"] = round(time.time() - t, 1)
     for m in calib_methods:
         t = time.time()
-        cfg.method = m
+        _configure(cfg, m)
         fitted[m], _ = fit(lm, stats, cfg, dict(summary), progress)
         timings[m] = round(time.time() - t, 1)
         if args.save_artifacts:
@@ -285,7 +293,8 @@ def _decisions(a: art.RotationArtifacts) -> dict:
     if layers and "k_kept" in layers[0]:
         out["optr_kept"] = {"k": sum(sum(x["k_kept"]) for x in layers), "v": sum(sum(x["v_kept"]) for x in layers),
                             "heads": sum(len(x["k_kept"]) for x in layers)}
-    kept = {key: sum(sum(x[key]) for x in layers) for key in ("k_oscar", "v_oscar", "k_clip_kept", "v_clip_kept")
+    kept = {key: sum(sum(x[key]) for x in layers) for key in ("k_oscar", "v_oscar", "k_clip_kept", "v_clip_kept",
+                                                              "k_scale_kept")
             if layers and key in layers[0]}
     if kept:
         out["heldout_kept"] = {**kept, "heads": sum(len(x["k_clip"]) for x in layers)}
@@ -351,7 +360,7 @@ def cross_domain(args, methods, argv) -> int:
         fitted = {}
         for m in calibrated:
             t = time.time()
-            cfg.method = m
+            _configure(cfg, m)
             fitted[m], _ = fit(lm, stats, cfg, dict(summary), progress)
             fit_s = round(time.time() - t, 1)
             results.append(_cross_result(args, c, m, fitted[m], fit_s, measure))

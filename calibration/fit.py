@@ -45,13 +45,15 @@ def query_positions(seq_len: int, sink: int, recent: int, max_queries: int, gene
 class RotatedSample:
     """One sequence in rotated space with its query subset and masks, reused across candidates."""
 
-    def __init__(self, sample: LayerSample, k_rot, v_rot, k_mean, sink, recent, scale, pos):
+    def __init__(self, sample: LayerSample, k_rot, v_rot, k_mean, sink, recent, scale, pos, k_scale=None):
         q = sample.q.float()[:, pos]  # [H, nq, d]
         k, v = sample.k.float(), sample.v.float()  # [G, T, d]
         h, g = q.shape[0], k.shape[0]
         self.rep = h // g
         self.qr = rot.rotate_queries(q.transpose(0, 1), k_rot).transpose(0, 1)  # [H, nq, d]
         self.kr = rot.rotate_kv(k.transpose(0, 1), k_rot, k_mean).transpose(0, 1)  # [G, T, d]
+        if k_scale is not None:  # key channel scales [G, d]: k' = k R s, q' = q R / s (same logits)
+            self.rescale_keys(k_scale.float())
         self.vr = rot.rotate_kv(v.transpose(0, 1), v_rot).transpose(0, 1)
         t = k.shape[1]
         allowed = served.causal_mask(pos, t)
@@ -60,6 +62,11 @@ class RotatedSample:
         self.allowed = allowed
         logits = torch.einsum("hsd,htd->hst", self.qr, self.kr.repeat_interleave(self.rep, 0)) * scale
         self.probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+
+    def rescale_keys(self, k_scale: torch.Tensor) -> None:
+        """Multiply the key channels by ``k_scale [G, d]`` and divide the queries' by it (logits unchanged)."""
+        self.kr = self.kr * k_scale.unsqueeze(1)
+        self.qr = self.qr / k_scale.repeat_interleave(self.rep, 0).unsqueeze(1)
 
     def key_error(self, kq: torch.Tensor) -> torch.Tensor:
         """Per KV head: squared logit error over the INT2 pairs."""

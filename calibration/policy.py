@@ -94,8 +94,8 @@ def _layer_costs(samples, sample_groups: torch.Tensor, n_groups: int, layer: art
                  formats: list[RowFormat], w_o: torch.Tensor, scale: float, sink: int, recent: int, n_queries: int,
                  seed: int):
     positions = _positions(samples, sink, recent, n_queries, seed)
-    rotated = [RotatedSample(s, layer.k_rotation, layer.v_rotation, layer.k_mean, sink, recent, scale, p)
-               for s, p in zip(samples, positions)]
+    rotated = [RotatedSample(s, layer.k_rotation, layer.v_rotation, layer.k_mean, sink, recent, scale, p,
+                             layer.k_scale) for s, p in zip(samples, positions)]
     kvh = layer.k_clip.shape[0]
     grid = torch.tensor(CLIP_GRID, dtype=torch.float32)
     err = torch.zeros(2, len(formats), n_groups, dtype=torch.float64)

@@ -23,11 +23,14 @@ from . import model as model_io
 
 
 def relative_error(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None,
-                   clip: torch.Tensor, group_size: int, bits: int = 2) -> float:
-    """``||Q(x') - x'||_F / ||x||_F`` for ``x[tokens, kv_heads, d]`` (rows of ``bits``, INT2 by default)."""
-    xr = rot.rotate_kv(x, rotation, mean)
+                   clip: torch.Tensor, group_size: int, bits: int = 2, scale: torch.Tensor | None = None) -> float:
+    """``||Q(x') - x'||_F / ||x||_F`` for ``x[tokens, kv_heads, d]`` (rows of ``bits``, INT2 by default);
+    with key channel scales the error is measured in the orthogonal frame (see ``diagnostics.head_errors``)."""
+    s = None if scale is None else scale.float()
+    xr = rot.rotate_kv(x, rotation if s is None else rotation * s.unsqueeze(-2), mean)
     xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1), bits=bits)
-    return ((xq - xr).norm() / x.float().norm()).item()
+    diff = (xq - xr) if s is None else (xq - xr) / s
+    return (diff.norm() / x.float().norm()).item()
 
 
 def per_layer_errors(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], art: RotationArtifacts) -> list[dict]:
@@ -37,7 +40,7 @@ def per_layer_errors(kv: dict[int, tuple[torch.Tensor, torch.Tensor]], art: Rota
         lr, lf = art.layers[layer], art.layer_formats[layer]
         rows.append({
             "layer": layer,
-            "k": relative_error(k, lr.k_rotation, lr.k_mean, lr.k_clip, lf.k.group, lf.k.bits),
+            "k": relative_error(k, lr.k_rotation, lr.k_mean, lr.k_clip, lf.k.group, lf.k.bits, lr.k_scale),
             "v": relative_error(v, lr.v_rotation, None, lr.v_clip, lf.v.group, lf.v.bits),
         })
     return rows

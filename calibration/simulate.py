@@ -101,8 +101,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     scale = scaling if scaling is not None else d ** -0.5
     lf = st.artifact.layer_formats[module.layer_idx]
 
-    qr = rot.rotate_queries(query.transpose(1, 2), layer.k_rotation).transpose(1, 2)  # [b, H, s, d]
-    kr = rot.rotate_kv(key.transpose(1, 2), layer.k_rotation, layer.k_mean).transpose(1, 2)  # [b, G, T, d]
+    qr = rot.rotate_queries(query.transpose(1, 2), layer.q_transform).transpose(1, 2)  # [b, H, s, d]
+    kr = rot.rotate_kv(key.transpose(1, 2), layer.k_transform, layer.k_mean).transpose(1, 2)  # [b, G, T, d]
     vr = rot.rotate_kv(value.transpose(1, 2), layer.v_rotation).transpose(1, 2)
     if st.quantize:
         kq = fmt.fake_quantize(kr, lf.k.group, layer.k_clip.reshape(-1, 1, 1), bits=lf.k.bits)

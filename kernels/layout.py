@@ -103,15 +103,21 @@ class DeviceRotation:
     """One layer's rotations, key mean and clip ratios per KV head, as the kernels read them (float32,
     contiguous, on the pool's device); built by the pool from the artifacts' ``artifacts.LayerRotation``."""
 
-    k_rot: torch.Tensor
+    k_rot: torch.Tensor  # write-path key matrix R_K diag(s): stored key rows are (k - k_mean) @ k_rot
     v_rot: torch.Tensor
     k_mean: torch.Tensor
     k_clip: torch.Tensor
     v_clip: torch.Tensor
+    q_rot: torch.Tensor | None = None  # read-path query matrix R_K diag(1/s); None: k_rot (no key scaling)
+
+    def __post_init__(self):
+        if self.q_rot is None:
+            object.__setattr__(self, "q_rot", self.k_rot)  # frozen dataclass
 
     def check(self, kv_heads: int, head_dim: int) -> None:
         h, d = kv_heads, head_dim
         _expect("k_rot", self.k_rot, (h, d, d), torch.float32)
+        _expect("q_rot", self.q_rot, (h, d, d), torch.float32)
         _expect("v_rot", self.v_rot, (h, d, d), torch.float32)
         _expect("k_mean", self.k_mean, (h, d), torch.float32)
         _expect("k_clip", self.k_clip, (h,), torch.float32)

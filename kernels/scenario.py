@@ -18,8 +18,12 @@ from .layout import DeviceRotation, LayerStore
 
 
 def random_rotation(kv_heads: int, head_dim: int, seed: int = 0, identity: bool = False,
-                    device: torch.device | str = "cpu") -> DeviceRotation:
-    """Random orthogonal ``R_K``, ``R_V`` (or identities), a key mean and clip ratios in [0.85, 1]."""
+                    device: torch.device | str = "cpu", key_scale: bool = False) -> DeviceRotation:
+    """Random orthogonal ``R_K``, ``R_V`` (or identities), a key mean and clip ratios in [0.85, 1].
+
+    ``key_scale``: per-channel key scales ``s`` (log-normal, spread ~e^±1) folded in
+    as the pool does (write matrix ``R_K diag(s)``, query matrix ``R_K diag(1/s)``).
+    """
     g = torch.Generator().manual_seed(seed)
     h, d = kv_heads, head_dim
 
@@ -33,7 +37,11 @@ def random_rotation(kv_heads: int, head_dim: int, seed: int = 0, identity: bool 
     k_clip = 0.85 + 0.15 * torch.rand(h, generator=g)
     v_clip = 0.85 + 0.15 * torch.rand(h, generator=g)
     k_clip[0] = 1.0  # one unclipped head
-    return DeviceRotation(*(t.contiguous().to(device) for t in (k_rot, v_rot, mean, k_clip, v_clip)))
+    q_rot = k_rot
+    if key_scale:
+        s = torch.exp(0.6 * torch.randn(h, 1, d, generator=g))
+        k_rot, q_rot = k_rot * s, k_rot / s
+    return DeviceRotation(*(t.contiguous().to(device) for t in (k_rot, v_rot, mean, k_clip, v_clip, q_rot)))
 
 
 @dataclass

@@ -11,6 +11,8 @@ Layout (DESIGN.md invariant 6)::
                                  layers.{i}.k_mean     [kv_heads, d]
                                  layers.{i}.k_clip     [kv_heads]   clip ratio in (0, 1]
                                  layers.{i}.v_clip     [kv_heads]
+                                 layers.{i}.k_scale    [kv_heads, d]  per-channel key scale > 0
+                                                                      (version 3; absent: all ones)
 
 :func:`load` validates everything (files, version, fingerprint against the
 served model, shapes, finiteness, orthogonality) and raises
@@ -31,8 +33,9 @@ from . import rotation as rot
 from .format import BITS, RowFormat, check_shape
 
 FORMAT_NAME = "oscar-sglang-rotations"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: every layer INT2 with the default group
+FORMAT_VERSION = 3  # written only when some layer scales its key channels; otherwise version 2
+READABLE_VERSIONS = (1, 2, 3)  # 1: every layer INT2 with the default group; 2: per-layer formats; 3: key scales
+KEY_SCALE_BOUNDS = (1.0 / 64, 64.0)
 MANIFEST = "manifest.json"
 TENSORS = "rotations.safetensors"
 ORTHOGONALITY_TOL = 1e-4
@@ -97,15 +100,29 @@ class ModelFingerprint:
 
 @dataclass
 class LayerRotation:
-    """One layer's rotations, key means and clip ratios (float32, on CPU unless moved)."""
+    """One layer's rotations, key means, clip ratios and key channel scales (float32, on CPU unless moved).
+
+    Keys are written as ``k' = ((k - mean) R_K) * s`` and queries read as
+    ``q' = (q R_K) / s`` (``s = k_scale`` per KV head and channel), so
+    ``q' . k'`` is the exact logit before quantization: the scale is a
+    per-channel key scaling folded into the key transform, with its inverse
+    transpose on the query side (:attr:`k_transform`, :attr:`q_transform`).
+    ``k_scale=None`` means all ones (no scaling; artifacts before version 3).
+    """
 
     k_rotation: torch.Tensor
     v_rotation: torch.Tensor
     k_mean: torch.Tensor
     k_clip: torch.Tensor
     v_clip: torch.Tensor
+    k_scale: torch.Tensor | None = None
 
-    TENSOR_NAMES = ("k_rotation", "v_rotation", "k_mean", "k_clip", "v_clip")
+    TENSOR_NAMES = ("k_rotation", "v_rotation", "k_mean", "k_clip", "v_clip", "k_scale")
+    UNSCALED_NAMES = TENSOR_NAMES[:5]  # what version 1 and 2 files hold
+
+    def __post_init__(self):
+        if self.k_scale is None:
+            self.k_scale = torch.ones(self.k_mean.shape, dtype=self.k_mean.dtype, device=self.k_mean.device)
 
     @staticmethod
     def expected_shapes(kv_heads: int, d: int) -> dict[str, tuple[int, ...]]:
@@ -115,7 +132,23 @@ class LayerRotation:
             "k_mean": (kv_heads, d),
             "k_clip": (kv_heads,),
             "v_clip": (kv_heads,),
+            "k_scale": (kv_heads, d),
         }
+
+    @property
+    def scaled(self) -> bool:
+        """Whether any key channel is scaled (the artifact then needs format version 3)."""
+        return bool((self.k_scale != 1).any())
+
+    @property
+    def k_transform(self) -> torch.Tensor:
+        """Write-path key matrix ``R_K diag(s)`` per KV head (``(k - mean) @ it`` is the stored row)."""
+        return self.k_rotation * self.k_scale.unsqueeze(-2)
+
+    @property
+    def q_transform(self) -> torch.Tensor:
+        """Read-path query matrix ``R_K diag(1/s)``, the inverse transpose of :attr:`k_transform`."""
+        return self.k_rotation / self.k_scale.unsqueeze(-2)
 
     def to(self, device=None, dtype=torch.float32) -> "LayerRotation":
         return LayerRotation(*(getattr(self, n).to(device=device, dtype=dtype) for n in self.TENSOR_NAMES))
@@ -246,6 +279,11 @@ class RotationArtifacts:
                 c = getattr(layer, name)
                 if ((c <= 0) | (c > 1)).any():
                     raise ArtifactError(f"{where}: layers.{i}.{name} has clip ratios outside (0, 1]: {c.tolist()}")
+            lo, hi = KEY_SCALE_BOUNDS
+            s = layer.k_scale
+            if ((s < lo) | (s > hi)).any():
+                raise ArtifactError(f"{where}: layers.{i}.k_scale has key channel scales outside [{lo:g}, {hi:g}] "
+                                    f"(min {s.min().item():.3g}, max {s.max().item():.3g})")
 
 
 def save(art: RotationArtifacts, directory: str | os.PathLike) -> Path:
@@ -255,15 +293,17 @@ def save(art: RotationArtifacts, directory: str | os.PathLike) -> Path:
     out = Path(directory)
     art.validate(str(out))
     out.mkdir(parents=True, exist_ok=True)
+    scaled = any(layer.scaled for layer in art.layers)
+    names = LayerRotation.TENSOR_NAMES if scaled else LayerRotation.UNSCALED_NAMES
     tensors = {
         f"layers.{i}.{name}": getattr(layer, name).detach().to("cpu", torch.float32).contiguous()
         for i, layer in enumerate(art.layers)
-        for name in LayerRotation.TENSOR_NAMES
+        for name in names
     }
     save_file(tensors, str(out / TENSORS))
     manifest = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if scaled else 2,
         "method": art.method,
         "model": asdict(art.model),
         "defaults": {"sink": art.sink, "recent": art.recent, "group_size": art.group},
@@ -344,14 +384,18 @@ def _read_layer_formats(path: Path, manifest: dict) -> list[LayerFormat]:
     return out
 
 
-def _check_tensor_header(path: Path, fp: ModelFingerprint) -> None:
+def _tensor_names(version: int) -> tuple[str, ...]:
+    return LayerRotation.TENSOR_NAMES if version >= 3 else LayerRotation.UNSCALED_NAMES
+
+
+def _check_tensor_header(path: Path, fp: ModelFingerprint, version: int = FORMAT_VERSION) -> None:
     """Read only the safetensors header and check it names exactly the expected tensors, shapes and sizes.
 
     Runs before the tensors are loaded, so a hostile or corrupted file can
     make the loader allocate nothing beyond what the fingerprint implies.
     """
-    expected = {f"layers.{i}.{name}": shape for i in range(fp.num_layers)
-                for name, shape in LayerRotation.expected_shapes(fp.num_kv_heads, fp.head_dim).items()}
+    shapes = LayerRotation.expected_shapes(fp.num_kv_heads, fp.head_dim)
+    expected = {f"layers.{i}.{name}": shapes[name] for i in range(fp.num_layers) for name in _tensor_names(version)}
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -414,17 +458,19 @@ def load(
     tensors_path = _inside(root, root / TENSORS)
     if not tensors_path.is_file():
         raise ArtifactError(f"{tensors_path}: missing; the rotations directory is incomplete")
-    _check_tensor_header(tensors_path, fp)
+    version = manifest["format_version"]
+    _check_tensor_header(tensors_path, fp, version)
     try:
         tensors = load_file(str(tensors_path))
     except (SafetensorError, OSError, ValueError) as e:
         raise ArtifactError(f"{tensors_path}: unreadable safetensors file ({e})") from None
     layers = []
     for i in range(fp.num_layers):
-        missing = [n for n in LayerRotation.TENSOR_NAMES if f"layers.{i}.{n}" not in tensors]
+        names = _tensor_names(version)
+        missing = [n for n in names if f"layers.{i}.{n}" not in tensors]
         if missing:
             raise ArtifactError(f"{tensors_path}: layer {i} lacks {', '.join(missing)}")
-        layers.append(LayerRotation(*(tensors[f"layers.{i}.{n}"].float() for n in LayerRotation.TENSOR_NAMES)))
+        layers.append(LayerRotation(*(tensors[f"layers.{i}.{n}"].float() for n in names)))
     defaults = manifest["defaults"]
     group = int(defaults.get("group_size") or fp.head_dim)
     art = RotationArtifacts(

@@ -1,4 +1,5 @@
 """Calibration statistics, OSCAR fit, clip search, OptR and the simulated cache, on a tiny model."""
+import json
 
 import pytest
 import torch
@@ -137,6 +138,12 @@ def test_simulated_cache_without_quantization_reproduces_the_model(tiny):
     with simulate.simulated(tiny, simulate.SimState(centred, quantize=False)):
         got = _logits(tiny, ids)
     assert torch.allclose(got, ref, atol=1e-9)
+    # Nor does key channel scaling (float32 transforms R diag(s), R diag(1/s): float32 rounding, no more)
+    for layer in centred.layers:
+        layer.k_scale = torch.exp(torch.randn(KV_HEADS, D))
+    with simulate.simulated(tiny, simulate.SimState(centred, quantize=False)):
+        got = _logits(tiny, ids)
+    assert torch.allclose(got, ref, atol=1e-5) and not torch.allclose(got, ref, atol=1e-12)
     assert tiny.config._attn_implementation == "sdpa"
 
 
@@ -253,3 +260,24 @@ def test_every_method_produces_a_valid_artifact(tiny, method, tmp_path):
     if method not in cal.DATA_FREE:
         assert len(report) == 2 and loaded.calibration["tokens"] == 96
         assert all(0 < c <= 1 for r in report for c in r["k_clip"])
+
+
+def test_key_scaling_is_searched_held_out_and_stored(tiny, tmp_path):
+    # two held-out groups (the halves of one text): every head's decision is recorded with its held-out errors,
+    # kept scales make the artifact version 3, and the simulated cache without quantization stays exact
+    cfg = cal.CalibrationConfig(method="hadamard-center", sink=4, recent=8, keep_sequences=4, key_scaling=True)
+    a, report = cal.calibrate(tiny.float(), _sequences(4, 32), cfg, {"spec": "random ids"}, progress=False)
+    tiny.double()
+    for r, layer in zip(report, a.layers):
+        assert len(r["k_scale_kept"]) == KV_HEADS
+        for h, kept in enumerate(r["k_scale_kept"]):
+            assert kept == (r["k_heldout_scaled"][h] < r["k_heldout_unscaled"][h])
+            assert kept == bool((layer.k_scale[h] != 1).any())
+    art.save(a, tmp_path)
+    version = json.loads((tmp_path / "manifest.json").read_text())["format_version"]
+    assert version == (3 if any(layer.scaled for layer in a.layers) else 2)
+    loaded = art.load(tmp_path)
+    ids = _sequences(1, 40)[0]
+    ref = _logits(tiny, ids)
+    with simulate.simulated(tiny, simulate.SimState(loaded, quantize=False)):
+        assert torch.allclose(_logits(tiny, ids), ref, atol=1e-4)

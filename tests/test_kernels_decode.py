@@ -36,7 +36,7 @@ def build(lens, d, group, page, hot, seed, sink=2, recent=4, formats=None):
     """
     kf, vf = formats or (F(2, group), F(2, group))
     paged = scenario.paged_layout(lens, page, seed, device=DEVICE)
-    rot = scenario.random_rotation(KV, d, seed, device=DEVICE)
+    rot = scenario.random_rotation(KV, d, seed, device=DEVICE, key_scale=bool(seed % 2))  # odd seeds: key scales
     store = layout.empty_store(paged.num_slots, KV, d, None, sum(lens), DEVICE, k_format=kf, v_format=vf)
     all_slots = torch.cat([paged.slots(b) for b in range(len(lens))])
     k, v = scenario.random_kv(len(all_slots), KV, d, seed, DEVICE)
@@ -104,7 +104,7 @@ def test_reference_on_a_mixed_store_is_attention_over_the_format_rows(kf, vf):
 
     lens, d, gqa = [3, 21, 40], 64, 2
     paged = scenario.paged_layout(lens, 4, 12)
-    rot = scenario.random_rotation(KV, d, 12)
+    rot = scenario.random_rotation(KV, d, 12, key_scale=True)
     store = layout.empty_store(paged.num_slots, KV, d, None, sum(lens), k_format=kf, v_format=vf)
     slots = torch.cat([paged.slots(b) for b in range(len(lens))])
     k, v = scenario.random_kv(len(slots), KV, d, 12)
@@ -116,19 +116,20 @@ def test_reference_on_a_mixed_store_is_attention_over_the_format_rows(kf, vf):
     kq[hot], vq[hot] = kr[hot].bfloat16().float(), vr[hot].bfloat16().float()
     assert not torch.equal(kq, kr.bfloat16().float())  # some rows are cold
     q = torch.randn(len(lens), KV * gqa, d, generator=torch.Generator().manual_seed(12))
-    qr = rotate_queries(q, rot.k_rot)
+    qr = rotate_queries(q, rot.q_rot)
     want = derotate_output(_dense_per_request(qr, kq, vq, lens, gqa), rot.v_rot)
     out = reference.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens,
                                      d**-0.5)
     assert torch.allclose(out, want, atol=1e-5, rtol=1e-5), (out - want).abs().max()
 
 
-def test_reference_with_every_token_hot_is_plain_attention():
+@pytest.mark.parametrize("key_scale", [False, True], ids=["orthogonal", "key-scaled"])
+def test_reference_with_every_token_hot_is_plain_attention(key_scale):
     # The rotation conventions end to end: with every row hot (bf16, unquantized),
-    # rotated + centred attention and de-rotation give plain attention.
+    # rotated + centred (+ key-scaled, queries inversely) attention and de-rotation give plain attention.
     lens, d, gqa = [5, 12], 64, 2
     paged = scenario.paged_layout(lens, 4, 3)
-    rot = scenario.random_rotation(KV, d, 3)
+    rot = scenario.random_rotation(KV, d, 3, key_scale=key_scale)
     store = layout.empty_store(paged.num_slots, KV, d, None, sum(lens))
     slots = torch.cat([paged.slots(b) for b in range(2)])
     k, v = scenario.random_kv(len(slots), KV, d, 3, dtype=torch.float32)

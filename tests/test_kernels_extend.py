@@ -40,7 +40,7 @@ def build(prefix, extend, d, group, page, hot, seed, sink=2, recent=4, formats=N
     kf, vf = formats or (F(2, group), F(2, group))
     lens = [p + e for p, e in zip(prefix, extend)]
     paged = scenario.paged_layout(lens, page, seed, device=DEVICE)
-    rot = scenario.random_rotation(KV, d, seed, device=DEVICE)
+    rot = scenario.random_rotation(KV, d, seed, device=DEVICE, key_scale=bool(seed % 2))  # odd seeds: key scales
     store = layout.empty_store(paged.num_slots, KV, d, None, sum(lens), DEVICE, k_format=kf, v_format=vf)
     slots = torch.cat([paged.slots(b)[:p] for b, p in enumerate(prefix)])
     k, v = scenario.random_kv(len(slots), KV, d, seed, DEVICE)
@@ -129,9 +129,11 @@ def test_extend_with_default_blocks_and_bf16_inputs():
     assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
 
 
-def test_reference_without_prefix_is_plain_causal_attention():
+@pytest.mark.parametrize("key_scale", [False, True], ids=["orthogonal", "key-scaled"])
+def test_reference_without_prefix_is_plain_causal_attention(key_scale):
+    # exact rows only: the rotation (and the key scaling with its inverse on the queries) must cancel
     n, d, gqa = 9, 64, 3
-    rot = scenario.random_rotation(KV, d, 5)
+    rot = scenario.random_rotation(KV, d, 5, key_scale=key_scale)
     store = layout.empty_store(4, KV, d)
     q, k, v = new_tokens(n, KV * gqa, d, 5)
     out = api.extend_attention(q, k, v, store, rot, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0]),

@@ -50,8 +50,10 @@ def _artifacts(seed: int = 1, formats=None):
         return torch.stack([torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]
                             for _ in range(KVH)]).float()
 
+    # per-channel key scales on the second layer: the pool folds them into the key write and the query read
     layers = [art.LayerRotation(orth(), orth(), 0.3 * torch.randn(KVH, D, generator=g), torch.tensor([0.9, 1.0]),
-                                torch.tensor([1.0, 0.85])) for _ in range(LAYERS)]
+                                torch.tensor([1.0, 0.85]), torch.exp(0.5 * torch.randn(KVH, D, generator=g)) if i else None)
+              for i in range(LAYERS)]
     return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=G, formats=formats)
 
 
@@ -99,7 +101,8 @@ def _dense(backend, layer_id, q, rows, lens):
     for b, (row, n) in enumerate(zip(rows, lens)):
         slots = backend.req_to_token[row, :n]
         k, v = read_rotated(store, slots)
-        k = unrotate_kv(k, rot.k_rot, rot.k_mean).float().repeat_interleave(QH // KVH, dim=1)
+        # stored keys are (k - mean) R diag(s); the inverse of R diag(s) is (R diag(1/s))^T = q_rot^T
+        k = unrotate_kv(k, rot.q_rot, rot.k_mean).float().repeat_interleave(QH // KVH, dim=1)
         v = unrotate_kv(v, rot.v_rot).float().repeat_interleave(QH // KVH, dim=1)
         logits = torch.einsum("hd,thd->ht", q[b].float(), k) * D ** -0.5
         out.append(torch.einsum("ht,thd->hd", logits.softmax(-1), v))
@@ -114,7 +117,7 @@ def _dense_extend(backend, layer_id, q, k, v, reqs):
     for row, n0, slots in reqs:
         m = len(slots)
         pk, pv = read_rotated(store, backend.req_to_token[row, :n0])
-        pk = unrotate_kv(pk, rot.k_rot, rot.k_mean).float()
+        pk = unrotate_kv(pk, rot.q_rot, rot.k_mean).float()
         pv = unrotate_kv(pv, rot.v_rot).float()
         keys = torch.cat([pk, k[start:start + m].float()]).repeat_interleave(QH // KVH, dim=1)
         vals = torch.cat([pv, v[start:start + m].float()]).repeat_interleave(QH // KVH, dim=1)

@@ -19,7 +19,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     A request of length 0 gets a zero output.
     """
     bsz, q_heads, _ = q.shape
-    qr = rotate_queries(q, rot.k_rot)  # fp32 [B, Hq, d]
+    qr = rotate_queries(q, rot.q_rot)  # fp32 [B, Hq, d]
     out = torch.zeros_like(qr)
     lens = seq_lens.tolist()
     reqs = req_pool_indices.tolist()

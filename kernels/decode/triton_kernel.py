@@ -126,7 +126,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         return torch.zeros_like(q)
     require_contiguous(store, rot)
     splits = num_splits or choose_splits(bsz, kv, q.device, max_seq_len, block_n)
-    qr = rotate_queries(q, rot.k_rot).contiguous()
+    qr = rotate_queries(q, rot.q_rot).contiguous()
     mid_o = torch.empty(bsz, q_heads, splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(bsz, q_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, kv, splits)](

@@ -28,7 +28,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     kv = rot.k_rot.shape[0]
     if extend_start_loc is None:
         extend_start_loc = torch.cumsum(extend_lens, 0) - extend_lens
-    qr = rotate_queries(q, rot.k_rot)
+    qr = rotate_queries(q, rot.q_rot)
     kn = rotate_kv(k.reshape(n, kv, d), rot.k_rot, rot.k_mean)
     vn = rotate_kv(v.reshape(n, kv, d), rot.v_rot)
     out = torch.zeros_like(qr)

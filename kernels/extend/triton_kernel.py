@@ -132,7 +132,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         max_extend_len = int(extend_lens.max())
     if max_extend_len == 0:
         return torch.zeros_like(q)
-    qr = rotate_queries(q, rot.k_rot).contiguous()
+    qr = rotate_queries(q, rot.q_rot).contiguous()
     kn = rotate_kv(k.reshape(n, kv, d), rot.k_rot, rot.k_mean).contiguous()
     vn = rotate_kv(v.reshape(n, kv, d), rot.v_rot).contiguous()
     blocks, batch = triton.cdiv(max_extend_len, block_m), extend_lens.shape[0]

@@ -10,7 +10,8 @@ artifact (INT2 with one group per row unless it carries a precision policy)::
                                fp16  [num_slots, kv_heads, d / G]
     k_hot, v_hot               bf16  [hot_entries, kv_heads, d]   rotated, unclipped rows
     hot_index                  int32 [num_slots]                  shared by all layers
-    k_rot, v_rot               fp32  [kv_heads, d, d]
+    k_rot, v_rot               fp32  [kv_heads, d, d]             k_rot = R_K diag(s) (key write)
+    q_rot                      fp32  [kv_heads, d, d]             R_K diag(1/s) (query read)
     k_mean                     fp32  [kv_heads, d]
     k_clip, v_clip             fp32  [kv_heads]
 
@@ -82,8 +83,8 @@ class OscarInt2Pool(KVCache):
 
     def _rotation(self, config: ServingConfig, layer_id: int) -> DeviceRotation:
         src = config.artifacts.layers[layer_id].to(self.device, torch.float32)
-        rot = DeviceRotation(src.k_rotation.contiguous(), src.v_rotation.contiguous(), src.k_mean.contiguous(),
-                            src.k_clip.contiguous(), src.v_clip.contiguous())
+        rot = DeviceRotation(src.k_transform.contiguous(), src.v_rotation.contiguous(), src.k_mean.contiguous(),
+                             src.k_clip.contiguous(), src.v_clip.contiguous(), src.q_transform.contiguous())
         rot.check(self.head_num, self.head_dim)
         return rot
 
