@@ -250,11 +250,11 @@ def single(args, methods, argv) -> int:
     meta = {
         "date": datetime.date.today().isoformat(),
         "command": _command(argv),
-        "model": str(path), "dtype": dtype, "fingerprint": art.ModelFingerprint.from_config(lm.config).__dict__,
+        "model": str(path), "dtype": dtype, "fingerprint": fp.__dict__,
         "calibration": {"spec": args.data, "texts": list(cal_texts), "tokens": summary["tokens"],
                         "seq_len": args.seq_len},
         "evaluation": {"spec": args.eval_data, "texts": list(eval_texts), "niah_haystack": eval_name},
-        "sink": args.sink, "recent": args.recent, "group": args.group or art.ModelFingerprint.from_config(lm.config).head_dim,
+        "sink": args.sink, "recent": args.recent, "group": args.group or fp.head_dim,
         "fit_seconds": timings, "total_seconds": round(time.time() - t0, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)
@@ -323,6 +323,7 @@ def cross_domain(args, methods, argv) -> int:
         if sink + recent >= ctx:
             return _error(f"window {sink}:{recent} covers the whole {ctx}-token context: nothing would read INT2")
     lm, tok, path, dtype = _load_model(args)
+    xfp = art.ModelFingerprint.from_config(lm.config)
     eval_seqs = {e: data.sequences_from_texts(tok, t, ctx, ctx * args.ppl_seqs) for e, t in eval_texts.items()}
 
     def measure(a):
@@ -378,14 +379,14 @@ def cross_domain(args, methods, argv) -> int:
     meta = {
         "date": datetime.date.today().isoformat(),
         "command": _command(argv),
-        "model": str(path), "dtype": dtype, "fingerprint": art.ModelFingerprint.from_config(lm.config).__dict__,
+        "model": str(path), "dtype": dtype, "fingerprint": xfp.__dict__,
         "calibration": calibrations, "calibration_seq_len": args.seq_len,
         "calibration_sink_recent": [args.sink, args.recent],
         "evaluation": {e: {"texts": list(t), "sequences": len(eval_seqs[e]), "context": ctx,
                            "provenance": getattr(t, "provenance", {})} for e, t in eval_texts.items()},
         "windows": [f"{s}:{r}" for s, r in args.windows],
         "metric": "teacher-forced perplexity over the tail: predicted positions >= sink + recent (INT2 reads begin)",
-        "group": args.group or art.ModelFingerprint.from_config(lm.config).head_dim,
+        "group": args.group or xfp.head_dim,
         "total_seconds": round(time.time() - t0, 1),
     }
     args.out.mkdir(parents=True, exist_ok=True)

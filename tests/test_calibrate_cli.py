@@ -56,10 +56,17 @@ def test_eval_refuses_overlapping_texts(tmp_path, capsys):
 def test_calibrate_on_the_mix_records_heldout_decisions(tmp_path, capsys):
     out = tmp_path / "mix"
     rc = cli.main(["--data", "mix", "--method", "oscar-center", "--tokens", "1536", "--seq-len", "512", "--sink", "8",
-                   "--recent", "32", "--keep-sequences", "3", "--out", str(out), "--quiet", "--dtype", "float32"])
+                   "--recent", "32", "--keep-sequences", "3", "--key-scaling", "--out", str(out), "--quiet",
+                   "--dtype", "float32"])
     assert rc == 0
-    assert "held-out decisions: OSCAR eigenbasis kept (K)" in capsys.readouterr().out
-    cal = json.loads((out / "manifest.json").read_text())["calibration"]
+    printed = capsys.readouterr().out
+    assert "held-out decisions: OSCAR eigenbasis kept (K)" in printed and "key channel scaling kept" in printed
+    manifest = json.loads((out / "manifest.json").read_text())
+    cal = manifest["calibration"]
+    scaled = sum(sum(r["k_scale_kept"]) for r in cal["layers"])
+    assert manifest["format_version"] == (3 if scaled else 2)
+    a = art.load(out)
+    assert sum(int((lr.k_scale != 1).any(-1).sum()) for lr in a.layers) == scaled
     assert cal["data"]["spec"] == "mix" and cal["heldout_groups"] == {"shakespeare": 1, "code": 1, "docs": 1}
     assert set(cal["data"]["provenance"]) == {"shakespeare", "code", "docs"} and "acceptance" in cal
     row = cal["layers"][0]
