@@ -429,6 +429,33 @@ def fmt_first(first: list) -> str:
     return ", ".join("none" if f is None else str(f) for f in first)
 
 
+def method_calibration(methods: dict) -> dict[str, str]:
+    """What each method's rotations were calibrated on, from its manifest (``spec: text, text, ...``)."""
+    out = {}
+    for name, d in methods.items():
+        try:
+            cal = json.loads((Path(d) / "manifest.json").read_text()).get("calibration", {})
+        except (OSError, ValueError):
+            cal = {}
+        data = cal.get("data") if isinstance(cal.get("data"), dict) else {}
+        texts = data.get("texts") or []
+        if data.get("spec") or texts:
+            out[name] = f"{data.get('spec', '?')} ({', '.join(map(str, texts))})" if texts else str(data["spec"])
+        else:
+            out[name] = "no calibration text (data-free)" if cal.get("tokens", 0) == 0 else "unrecorded text"
+    return out
+
+
+def _calibration_sentence(meta: dict) -> str:
+    per = meta.get("method_calibration")
+    if not per:  # reports written before the per-method record
+        return f"Rotations calibrated on {', '.join(meta.get('calibration_texts', [])) or 'n/a'}"
+    groups: dict[str, list[str]] = {}
+    for name, what in per.items():
+        groups.setdefault(what, []).append(name)
+    return "Rotations calibrated on " + "; ".join(f"{what} ({', '.join(names)})" for what, names in groups.items())
+
+
 def markdown(data: dict) -> str:
     meta, s = data["meta"], data["summary"]
     lw, sw = meta["long_windows"], meta["short_windows"]
@@ -438,7 +465,7 @@ def markdown(data: dict) -> str:
         "# INT2 server vs BF16 server: logprobs on long prompts, greedy agreement on short prompts",
         "",
         f"Measured {meta['date']} on {meta['device']}, SGLang {meta['sglang']}, model `{meta['model_name']}` "
-        f"({meta['model']}). Rotations calibrated on {', '.join(meta['calibration_texts']) or 'n/a'}; "
+        f"({meta['model']}). {_calibration_sentence(meta)}; "
         f"evaluated on held-out plays ({', '.join(meta['evaluation_texts'])}). Run time "
         f"{meta['seconds'] / 60:.1f} min (2 shared CPU cores). Produced by:",
         "",
@@ -752,6 +779,7 @@ def main(argv=None) -> int:
         "sglang": sglang.__version__,
         "model": str(model_dir), "model_name": model_dir.name,
         "calibration_texts": cal_names, "evaluation_texts": eval_names,
+        "method_calibration": method_calibration(methods),
         "methods": {k: str(v) for k, v in methods.items()},
         "long_prompts": len(longs), "long_tokens": args.long_tokens, "continuation": args.continuation,
         "long_prompt_sources": [f"{q['text']} from {q['offset']:.0%}" for q in longs],

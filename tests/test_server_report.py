@@ -36,3 +36,23 @@ def test_agreement_counts_ties_and_prefixes():
     s = sr.summarize_short([[1, 2, 3], [1, 9, 3], [7, 2, 3]], [[1, 2, 3]] * 3, 3)
     assert s["agreed_prefix"] == [3, 1, 0] and s["all_agree"] == 1
     assert s["same_position_tokens"] == 3 + 2 + 2 and s["total_tokens"] == 9
+
+
+def test_report_names_what_each_artifact_was_calibrated_on(tmp_path):
+    # the header comes from each artifact's own manifest, not from the default text split
+    from oscar_sglang import artifacts as art
+
+    fp = art.ModelFingerprint("LlamaForCausalLM", 2, 64, 2, 1, 32, 100, "default", 1e4)
+    a = art.hadamard(fp)
+    a.calibration = {"tokens": 4096, "data": {"spec": "mix", "texts": ["macbeth_gut", "stdlib/ast.py"]}}
+    art.save(a, tmp_path / "cal")
+    free = art.hadamard(fp)
+    free.calibration = {"tokens": 0, "note": "data-free baseline"}
+    art.save(free, tmp_path / "free")
+    got = sr.method_calibration({"optr": tmp_path / "cal", "optr@3": tmp_path / "cal", "hadamard": tmp_path / "free"})
+    assert got == {"optr": "mix (macbeth_gut, stdlib/ast.py)", "optr@3": "mix (macbeth_gut, stdlib/ast.py)",
+                   "hadamard": "no calibration text (data-free)"}
+    sentence = sr._calibration_sentence({"method_calibration": got})
+    assert sentence == ("Rotations calibrated on mix (macbeth_gut, stdlib/ast.py) (optr, optr@3); "
+                        "no calibration text (data-free) (hadamard)")
+    assert sr._calibration_sentence({"calibration_texts": ["a", "b"]}) == "Rotations calibrated on a, b"
