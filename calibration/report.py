@@ -23,11 +23,11 @@ def accuracy_table(results: dict) -> str:
     """One row per method: perplexities, mean layer error, pass keys found, and how many of BF16's it keeps."""
     ctxs = sorted({int(c) for r in results.values() for c in r["ppl"]})
     ref = niah_hits((results.get("bf16") or {}).get("niah") or [])
-    head = ("| method | bits/elt | " + " | ".join(f"PPL {c} | PPL {c} tail" for c in ctxs)
-            + " | mean layer err | pass keys found | BF16's passes kept |")
+    head = ("| method | bits/elt | " + "".join(f"PPL {c} | PPL {c} tail | " for c in ctxs)
+            + "mean layer err | pass keys found | BF16's passes kept |")
     lines = [head, "|---|---:|" + "---:|---:|" * len(ctxs) + "---:|---:|---:|"]
     for name, r in results.items():
-        ppl = " | ".join(f"{r['ppl'][str(c)]['ppl']:.2f} | {r['ppl'][str(c)]['ppl_tail']:.2f}" for c in ctxs)
+        ppl = "".join(f"{r['ppl'][str(c)]['ppl']:.2f} | {r['ppl'][str(c)]['ppl_tail']:.2f} | " for c in ctxs)
         err = r.get("layer_errors")
         err_s = f"{sum(err) / len(err):.3f}" if err else "0 (reference)"
         hits = niah_hits(r.get("niah") or [])
@@ -35,7 +35,7 @@ def accuracy_table(results: dict) -> str:
         kept = (f"{sum(a and b for a, b in zip(ref, hits))}/{sum(ref)}"
                 if ref and len(ref) == len(hits) and name != "bf16" else "–")
         bits = r.get("bits_per_element")
-        lines.append(f"| {name} | {bits if bits is not None else 16:g} | {ppl} | {err_s} | {found} | {kept} |")
+        lines.append(f"| {name} | {bits if bits is not None else 16:g} | {ppl}{err_s} | {found} | {kept} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,31 @@
+"""The accuracy table of ``oscar-eval`` (``calibration.report``): well-formed with and without perplexities."""
+
+import pytest
+
+from oscar_sglang.calibration import report
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _results(ctxs):
+    ppl = {str(c): {"ppl": 10.0 + c / 1000, "ppl_tail": 11.0} for c in ctxs}
+    niah = [{"length": 4096, "depth": 0.5, "hits": [True, False, True]}]
+    return {"bf16": {"ppl": ppl, "layer_errors": None, "niah": niah},
+            "optr@3": {"ppl": ppl, "layer_errors": [0.1, 0.3], "niah": [{"hits": [True, True, False]}],
+                       "bits_per_element": 3.0}}
+
+
+@pytest.mark.parametrize("ctxs", [[], [1024], [1024, 2048]], ids=["no-ppl", "one", "two"])
+def test_every_row_has_the_header_s_columns(ctxs):
+    lines = report.accuracy_table(_results(ctxs)).splitlines()
+    n = len(_cells(lines[0]))
+    assert n == 5 + 2 * len(ctxs)
+    assert all(len(_cells(line)) == n for line in lines[1:])
+    assert "" not in _cells(lines[0])
+    row = dict(zip(_cells(lines[0]), _cells(lines[3])))
+    assert row["method"] == "optr@3" and row["bits/elt"] == "3" and row["mean layer err"] == "0.200"
+    assert row["pass keys found"] == "2/3" and row["BF16's passes kept"] == "1/2"
+    for c in ctxs:
+        assert row[f"PPL {c}"] == f"{10 + c / 1000:.2f}" and row[f"PPL {c} tail"] == "11.00"
