@@ -42,15 +42,22 @@ def shape_statistics(x: torch.Tensor) -> dict[str, torch.Tensor]:
             "outliers": (rms > OUTLIER_FACTOR * median.unsqueeze(-1)).sum(-1).double()}
 
 
-def head_errors(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, clip: torch.Tensor,
-                group_size: int, bits: int = 2, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Round-trip error per KV head (INT2 unless ``bits``), ``[kv_heads]``: ``||Q(x') - x'|| / ||x||`` over the
-    head's rows; with key channel scales ``scale [kv_heads, d]`` the rows are ``(x - mean) R diag(s)`` and the
-    error is measured back in the orthogonal frame (divided by ``s``), where norms are the model's."""
+def roundtrip_error(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, clip: torch.Tensor,
+                    group_size: int, bits: int = 2, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``Q(x') - x'`` for ``x[tokens, kv_heads, d]`` stored as ``x' = (x - mean) R`` (rows of ``bits``); with key
+    channel scales ``scale [kv_heads, d]`` the rows are ``(x - mean) R diag(s)`` and the error is returned in the
+    orthogonal frame (divided by ``s``), where norms are the model's."""
     s = None if scale is None else scale.float()
     xr = rot.rotate_kv(x, rotation if s is None else rotation * s.unsqueeze(-2), mean)
     xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1), bits=bits)
-    diff = (xq - xr) if s is None else (xq - xr) / s
+    return (xq - xr) if s is None else (xq - xr) / s
+
+
+def head_errors(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor | None, clip: torch.Tensor,
+                group_size: int, bits: int = 2, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Round-trip error per KV head (INT2 unless ``bits``), ``[kv_heads]``: ``||Q(x') - x'|| / ||x||`` over the
+    head's rows (:func:`roundtrip_error`)."""
+    diff = roundtrip_error(x, rotation, mean, clip, group_size, bits, scale)
     return diff.double().pow(2).sum((0, 2)).sqrt() / x.double().pow(2).sum((0, 2)).sqrt().clamp_min(1e-30)
 
 

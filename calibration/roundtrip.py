@@ -14,8 +14,6 @@ import torch
 
 from oscar_sglang import artifacts as art
 from oscar_sglang import assets, configs
-from oscar_sglang import format as fmt
-from oscar_sglang import rotation as rot
 from oscar_sglang.artifacts import RotationArtifacts
 
 from . import capture, data, diagnostics
@@ -26,10 +24,7 @@ def relative_error(x: torch.Tensor, rotation: torch.Tensor, mean: torch.Tensor |
                    clip: torch.Tensor, group_size: int, bits: int = 2, scale: torch.Tensor | None = None) -> float:
     """``||Q(x') - x'||_F / ||x||_F`` for ``x[tokens, kv_heads, d]`` (rows of ``bits``, INT2 by default);
     with key channel scales the error is measured in the orthogonal frame (see ``diagnostics.head_errors``)."""
-    s = None if scale is None else scale.float()
-    xr = rot.rotate_kv(x, rotation if s is None else rotation * s.unsqueeze(-2), mean)
-    xq = fmt.fake_quantize(xr, group_size, clip_ratio=clip.reshape(-1, 1), bits=bits)
-    diff = (xq - xr) if s is None else (xq - xr) / s
+    diff = diagnostics.roundtrip_error(x, rotation, mean, clip, group_size, bits, scale)
     return (diff.norm() / x.float().norm()).item()
 
 

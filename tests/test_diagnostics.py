@@ -68,3 +68,18 @@ def test_key_statistics_are_the_head_means_of_the_shape_statistics():
     st = diagnostics.shape_statistics(kv[1][0])
     assert math.isclose(rows[1]["key_mean_energy_share"], st["mean_share"].mean().item(), rel_tol=1e-12)
     assert math.isclose(rows[1]["key_max_over_median_channel_rms"], st["rms_spread"].mean().item(), rel_tol=1e-12)
+
+
+def test_key_scale_errors_are_measured_in_the_orthogonal_frame():
+    # rows quantize scale-equivariantly (power-of-two scales keep fp16 scale/zero exact), so a uniform key
+    # scale of 4 must leave the reported error unchanged, and a non-uniform one must change it
+    from oscar_sglang import rotation as rot
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 2, 64, generator=g) * torch.linspace(0.2, 3, 64)
+    r = rot.hadamard(64).expand(2, 64, 64).float()
+    mean, clip = torch.randn(2, 64, generator=g), torch.full((2,), 0.9)
+    base = diagnostics.head_errors(x, r, mean, clip, 64)
+    assert torch.equal(diagnostics.head_errors(x, r, mean, clip, 64, scale=torch.full((2, 64), 4.0)), base)
+    other = diagnostics.head_errors(x, r, mean, clip, 64, scale=torch.exp(torch.randn(2, 64, generator=g)))
+    assert not torch.allclose(other, base)
