@@ -175,8 +175,12 @@ def _summary(sequences, cfg: CalibrationConfig, data_summary: dict | None) -> di
 
 
 def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | None = None,
-              progress: bool = True) -> tuple[art.RotationArtifacts, list[dict]]:
-    """Run the whole pipeline; returns the artifact and a per-layer report."""
+              progress: bool = True, policy_sequences=None) -> tuple[art.RotationArtifacts, list[dict]]:
+    """Run the whole pipeline; returns the artifact and a per-layer report.
+
+    ``policy_sequences`` (with ``cfg.bits``): the sequences the precision policy measures its options on
+    (:func:`policy_statistics`), e.g. longer ones than the fit's; default the fit's kept sequences.
+    """
     t0 = time.time()
     if cfg.method in DATA_FREE and cfg.bits is None:
         return fit(model, None, cfg, _summary(sequences, cfg, data_summary), progress)
@@ -190,10 +194,16 @@ def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | Non
     a.calibration.setdefault("seconds", {})
     if cfg.bits is not None:
         t1 = time.time()
-        a = apply_policy(model, stats, a, cfg, progress)
+        pstats = stats if policy_sequences is None else policy_statistics(model, policy_sequences, cfg, progress)
+        a = apply_policy(model, pstats, a, cfg, progress)
         a.calibration["seconds"]["policy"] = round(time.time() - t1, 1)
     a.calibration["seconds"]["total"] = round(time.time() - t0, 1)
     return a, report
+
+
+def policy_statistics(model, sequences, cfg: CalibrationConfig, progress: bool = True) -> GroupedStatistics:
+    """Statistics for the policy's own sequences, every one of them kept (same held-out groups by domain)."""
+    return collect_statistics(model, sequences, dataclasses.replace(cfg, keep_sequences=len(sequences)), progress)
 
 
 def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifacts, cfg: CalibrationConfig,
@@ -210,7 +220,11 @@ def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifact
     choice = policy.choose(costs, cfg.bits)
     check = policy.heldout_check(costs, cfg.bits)
     out = policy.apply(artifact, costs, choice)
-    out.calibration = {**artifact.calibration, "policy": policy.report(costs, choice, cfg.bits, check)}
+    rep = policy.report(costs, choice, cfg.bits, check)
+    first = stats.layers[0].samples
+    rep["measured_on"] = {"sequences": len(first), "seq_len": int(first[0].q.shape[1]) if first else 0,
+                          "groups": {n: stats.sample_groups().count(g) for g, n in enumerate(stats.names)}}
+    out.calibration = {**artifact.calibration, "policy": rep}
     return out
 
 

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision policy: average stored bits per K/V element over all layers (scale and zero "
                         f"included); per layer and K/V the best of INT2 / INT2 with smaller groups / INT4 / INT8 "
                         f"(default {DEFAULT_BITS}: capacity >= 5.5x BF16); 'int2': INT2 rows everywhere")
+    p.add_argument("--policy-seq-len", type=int, default=None,
+                   help="tokens per sequence the precision policy measures its options on (default: --seq-len); "
+                        "longer sequences weigh the far INT2 reads of long-context retrieval")
     p.add_argument("--key-scaling", action="store_true",
                    help="also learn a per-channel key scale per KV head (folded into the key transform, its "
                         "inverse into the query's; kept only where it passes the held-out check)")
@@ -91,6 +94,10 @@ def main(argv=None) -> int:
         if args.method not in ("identity", "hadamard"):
             # Fail before the long part if the windows swallow every sequence.
             query_positions(args.seq_len, args.sink, args.recent, 1, torch.Generator())
+        if args.policy_seq_len is not None:
+            if args.bits is None:
+                raise ValueError("--policy-seq-len needs a precision policy (--bits B)")
+            query_positions(args.policy_seq_len, args.sink, args.recent, 1, torch.Generator())
         device = model_io.resolve_device(args.device)
         dtype = model_io.resolve_dtype(args.dtype, device)
         texts = data.load_texts(args.data)
@@ -105,7 +112,12 @@ def main(argv=None) -> int:
             optr=OptRConfig(steps=args.optr_steps, lr=args.optr_lr, output_weight=args.optr_lambda),
         )
         data_summary = {"spec": args.data, "texts": list(texts), "model": str(path)}
-        artifact, report = calibrate(lm, seqs, cfg, data_summary, progress=not args.quiet)
+        policy_seqs = None
+        if args.policy_seq_len is not None:
+            policy_seqs = data.sequences_from_texts(tok, texts, args.policy_seq_len,
+                                                    args.policy_seq_len * args.keep_sequences)
+        artifact, report = calibrate(lm, seqs, cfg, data_summary, progress=not args.quiet,
+                                     policy_sequences=policy_seqs)
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         artifact.calibration["peak_rss_mb"] = round(peak_mb)
         artifact.calibration["device"], artifact.calibration["dtype"] = device, str(dtype).removeprefix("torch.")

@@ -46,7 +46,7 @@ from oscar_sglang import artifacts as art
 
 from . import capture, data, diagnostics, evaluate, report
 from . import model as model_io
-from .calibrate import METHODS, CalibrationConfig, apply_policy, collect_statistics, fit
+from .calibrate import METHODS, CalibrationConfig, apply_policy, collect_statistics, fit, policy_statistics
 from .optr import OptRConfig
 
 KEY_SCALED = "+ks"  # method suffix: the same method with per-channel key scaling (key_scale.py)
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision-policy budgets (average bits per element) to evaluate, e.g. 2.75,3")
     p.add_argument("--policy-base", default="optr", choices=METHODS[1:] + tuple(m + KEY_SCALED for m in SCALABLE),
                    help="calibrated method the policy starts from (default optr)")
+    p.add_argument("--policy-seq-len", type=int, default=None,
+                   help="tokens per sequence the policy measures its options on (oscar-calibrate --policy-seq-len; "
+                        "default --seq-len)")
     p.add_argument("--artifacts", type=_named_dirs, default={},
                    help="NAME=DIR,...: also evaluate these saved rotations directories (e.g. from --save-artifacts) "
                         "as methods NAME, served at --sink/--recent, without calibrating them again")
@@ -132,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model dtype (default auto: bfloat16 on a GPU or a CPU with native bf16, else float32)")
     p.add_argument("--quiet", action="store_true")
     return p
+
+
+def _policy_stats(args, lm, tok, texts, stats, cfg, progress):
+    """The statistics the policy measures on: the calibration's, or ``--policy-seq-len`` sequences of ``texts``."""
+    if not args.policy_bits or args.policy_seq_len is None:
+        return stats
+    seqs = data.sequences_from_texts(tok, texts, args.policy_seq_len, args.policy_seq_len * cfg.keep_sequences)
+    return policy_statistics(lm, seqs, cfg, progress)
 
 
 def _error(msg: str) -> int:
@@ -211,17 +222,18 @@ def single(args, methods, argv) -> int:
         loaded = art.load(d, expect=fp)
         fitted[name] = dataclasses.replace(loaded, sink=args.sink, recent=args.recent)
         methods.append(name)
+    pstats = _policy_stats(args, lm, tok, cal_texts, stats, cfg, progress)
     for b in args.policy_bits:
         t = time.time()
         name = f"{args.policy_base}@{b:g}"
         cfg.bits = b
-        fitted[name] = apply_policy(lm, stats, fitted[args.policy_base], cfg, progress)
+        fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress)
         timings[name] = round(time.time() - t, 1)
         methods.append(name)
         if args.save_artifacts:
             art.save(fitted[name], args.save_artifacts / name)
     cfg.bits = None
-    del stats
+    del stats, pstats
 
     eval_name = next(iter(eval_texts))
     ppl_seqs = {c: data.sequences_from_texts(tok, eval_texts, c, c * args.ppl_seqs) for c in args.ppl_contexts}
@@ -298,6 +310,9 @@ def _decisions(a: art.RotationArtifacts) -> dict:
             if layers and key in layers[0]}
     if kept:
         out["heldout_kept"] = {**kept, "heads": sum(len(x["k_clip"]) for x in layers)}
+    measured_on = a.calibration.get("policy", {}).get("measured_on")
+    if measured_on:
+        out["policy_measured_on"] = measured_on
     return out
 
 
@@ -366,15 +381,16 @@ def cross_domain(args, methods, argv) -> int:
             fit_s = round(time.time() - t, 1)
             results.append(_cross_result(args, c, m, fitted[m], fit_s, measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
+        pstats = _policy_stats(args, lm, tok, cal_texts[c], stats, cfg, progress)
         for b in args.policy_bits:
             t = time.time()
             cfg.bits = b
             name = f"{args.policy_base}@{b:g}"
-            fitted[name] = apply_policy(lm, stats, fitted[args.policy_base], cfg, progress)
+            fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress)
             results.append(_cross_result(args, c, name, fitted[name], round(time.time() - t, 1), measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
         cfg.bits = None
-        del stats, fitted
+        del stats, pstats, fitted
 
     meta = {
         "date": datetime.date.today().isoformat(),

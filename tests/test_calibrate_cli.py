@@ -36,7 +36,27 @@ def test_calibrate_optr_writes_a_validated_artifact(tmp_path, capsys):
     assert pol["budget_bits"] == 2.75 and 2.5 <= a.bits_per_element <= 2.75 + 1e-9
     assert manifest["bits_per_element"] == pytest.approx(a.bits_per_element, abs=1e-6)
     assert pol["error_policy"] <= pol["error_base"] and len(pol["heldout_check"]["folds"]) == len(cal["heldout_groups"])
+    assert pol["measured_on"]["seq_len"] == 512 and pol["measured_on"]["sequences"] == 2   # the kept sequences
     assert "precision policy:" in printed and f"{a.bits_per_element:.3f} bits/element" in printed
+
+
+def test_policy_measures_on_its_own_longer_sequences(tmp_path, capsys):
+    """--policy-seq-len: the fit on 256-token sequences, the policy's options measured on 640-token ones
+    (one per domain of the mix), recorded in the manifest; refused without a policy."""
+    out = tmp_path / "rot"
+    rc = cli.main(["--method", "hadamard-center", "--tokens", "768", "--seq-len", "256", "--sink", "8",
+                   "--recent", "32", "--keep-sequences", "3", "--bits", "3", "--policy-seq-len", "640",
+                   "--out", str(out), "--quiet", "--dtype", "float32"])
+    assert rc == 0
+    cal = json.loads((out / "manifest.json").read_text())["calibration"]
+    assert cal["seq_len"] == 256 and cal["sequences"] == 3
+    on = cal["policy"]["measured_on"]
+    assert on["seq_len"] == 640 and on["sequences"] == 3
+    assert on["groups"] == {name: 1 for name in cal["heldout_groups"]} and len(on["groups"]) == 3
+    assert 2.5 < art.load(out).bits_per_element <= 3
+    capsys.readouterr()
+    assert cli.main(["--bits", "int2", "--policy-seq-len", "640", "--out", str(tmp_path / "x")]) == 2
+    assert "needs a precision policy" in capsys.readouterr().err
 
 
 def test_calibrate_reports_bad_input_clearly(tmp_path, capsys):
@@ -80,7 +100,7 @@ def test_cross_domain_table_is_written(tmp_path, capsys):
                         "--methods", "bf16,hadamard,hadamard-center", "--tokens", "1024", "--seq-len", "512",
                         "--sink", "8", "--recent", "32", "--ppl-contexts", "512", "--ppl-seqs", "1",
                         "--windows", "8:32,4:16", "--policy-bits", "3", "--policy-base", "hadamard-center",
-                        "--out", str(tmp_path), "--quiet", "--dtype", "float32"])
+                        "--policy-seq-len", "640", "--out", str(tmp_path), "--quiet", "--dtype", "float32"])
     assert rc == 0
     got = json.loads((tmp_path / "accuracy_cross_domain.json").read_text())
     assert not (tmp_path / "accuracy_cross_domain.partial.json").exists()   # the checkpoint gives way to the result
@@ -92,6 +112,7 @@ def test_cross_domain_table_is_written(tmp_path, capsys):
     assert rows[("bf16", None)]["bits_per_element"] == 16 and rows[("hadamard", None)]["bits_per_element"] == 2.5
     policy = rows[("hadamard-center@3", "code")]
     assert 2.5 < policy["bits_per_element"] <= 3 and policy["formats"] != rows[("hadamard-center", "code")]["formats"]
+    assert policy["policy_measured_on"]["seq_len"] == 640     # --policy-seq-len reaches the cross-domain policy
     for r in rows.values():
         for e in ("docs-eval", "shakespeare-eval"):
             assert set(r["ppl"][e]) == {"8:32", "4:16"} and r["ppl"][e]["8:32"]["ppl_tail"] > 1
