@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from oscar_sglang import artifacts as art
 from oscar_sglang import rotation as rot
 
-from . import capture
+from . import capture, data
 from .fit import (CLIP_GRID, RotatedSample, clip_curves, fold_scores, oscar_rotations, query_positions,
                   relative_by_group)
 from .optr import OptRConfig, refine_layer
@@ -175,11 +175,13 @@ def _summary(sequences, cfg: CalibrationConfig, data_summary: dict | None) -> di
 
 
 def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | None = None,
-              progress: bool = True, policy_sequences=None) -> tuple[art.RotationArtifacts, list[dict]]:
+              progress: bool = True, policy_sequences=None,
+              copy_sequences=None) -> tuple[art.RotationArtifacts, list[dict]]:
     """Run the whole pipeline; returns the artifact and a per-layer report.
 
     ``policy_sequences`` (with ``cfg.bits``): the sequences the precision policy measures its options on
     (:func:`policy_statistics`), e.g. longer ones than the fit's; default the fit's kept sequences.
+    ``copy_sequences``: also measure the policy on the copy task built from them (:func:`with_copy_task`).
     """
     t0 = time.time()
     if cfg.method in DATA_FREE and cfg.bits is None:
@@ -195,7 +197,10 @@ def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | Non
     if cfg.bits is not None:
         t1 = time.time()
         pstats = stats if policy_sequences is None else policy_statistics(model, policy_sequences, cfg, progress)
-        a = apply_policy(model, pstats, a, cfg, progress)
+        fixed = None
+        if copy_sequences is not None:
+            pstats, fixed = with_copy_task(model, pstats, copy_sequences, cfg, progress)
+        a = apply_policy(model, pstats, a, cfg, progress, fixed)
         a.calibration["seconds"]["policy"] = round(time.time() - t1, 1)
     a.calibration["seconds"]["total"] = round(time.time() - t0, 1)
     return a, report
@@ -206,9 +211,26 @@ def policy_statistics(model, sequences, cfg: CalibrationConfig, progress: bool =
     return collect_statistics(model, sequences, dataclasses.replace(cfg, keep_sequences=len(sequences)), progress)
 
 
+COPY_SPAN = 64  # tokens repeated at the end of each copy-task sequence (data.copy_task)
+
+
+def with_copy_task(model, stats: GroupedStatistics, sequences, cfg: CalibrationConfig,
+                   progress: bool = True) -> tuple[GroupedStatistics, list]:
+    """``stats`` plus the copy task on ``sequences`` as held-out groups ``DOMAIN+copy`` of their own, and the
+    query positions per kept sample for :func:`apply_policy` (None: random decode reads; the repeat for the
+    copy task, whose queries read their source from INT2 keys, as retrieval does)."""
+    copies, pos = data.copy_task(sequences, COPY_SPAN, cfg.sink, cfg.recent, cfg.seed)
+    c = policy_statistics(model, copies, cfg, progress)
+    merged = GroupedStatistics(stats.names + c.names, stats.collectors + c.collectors)
+    return merged, [None] * len(stats.sample_groups()) + [pos] * len(c.sample_groups())
+
+
 def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifacts, cfg: CalibrationConfig,
-                 progress: bool = True) -> art.RotationArtifacts:
-    """Measure every row-format option per (layer, K/V) and store the best mix under ``cfg.bits`` (policy.py)."""
+                 progress: bool = True, fixed_positions: list | None = None) -> art.RotationArtifacts:
+    """Measure every row-format option per (layer, K/V) and store the best mix under ``cfg.bits`` (policy.py).
+
+    ``fixed_positions``: query positions per kept sample (:func:`with_copy_task`); default random reads.
+    """
     from . import policy
 
     mods = attention_modules(model)
@@ -216,7 +238,8 @@ def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifact
     costs = policy.measure([st.samples for st in stats.layers], stats.sample_groups(), stats.names, artifact,
                            [m.o_proj.weight.detach().cpu() for m in mods],
                            [float(getattr(m, "scaling", hd ** -0.5)) for m in mods],
-                           n_queries=cfg.decision_queries, seed=cfg.seed, progress=progress)
+                           n_queries=cfg.decision_queries, seed=cfg.seed, progress=progress,
+                           fixed_positions=fixed_positions)
     choice = policy.choose(costs, cfg.bits)
     check = policy.heldout_check(costs, cfg.bits)
     out = policy.apply(artifact, costs, choice)
@@ -224,6 +247,12 @@ def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifact
     first = stats.layers[0].samples
     rep["measured_on"] = {"sequences": len(first), "seq_len": int(first[0].q.shape[1]) if first else 0,
                           "groups": {n: stats.sample_groups().count(g) for g, n in enumerate(stats.names)}}
+    lengths = sorted({int(x.q.shape[1]) for x in first})
+    if len(lengths) > 1:
+        rep["measured_on"]["seq_len"] = lengths
+    if fixed_positions and any(f is not None for f in fixed_positions):
+        rep["measured_on"]["copy_task"] = {"span": COPY_SPAN, "groups": [n for n in stats.names
+                                                                           if data.COPY_SUFFIX in n]}
     out.calibration = {**artifact.calibration, "policy": rep}
     return out
 

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-seq-len", type=int, default=None,
                    help="tokens per sequence the precision policy measures its options on (default: --seq-len); "
                         "longer sequences weigh the far INT2 reads of long-context retrieval")
+    p.add_argument("--policy-copy-len", type=int, default=None,
+                   help="the precision policy also measures its options on a copy task: sequences of this many "
+                        "tokens ending with a repeat of 64 tokens from their INT2 region, read by the repeat's "
+                        "queries as retrieval reads a pass key (held-out groups DOMAIN+copy)")
     p.add_argument("--key-scaling", action="store_true",
                    help="also learn a per-channel key scale per KV head (folded into the key transform, its "
                         "inverse into the query's; kept only where it passes the held-out check)")
@@ -94,9 +98,10 @@ def main(argv=None) -> int:
         if args.method not in ("identity", "hadamard"):
             # Fail before the long part if the windows swallow every sequence.
             query_positions(args.seq_len, args.sink, args.recent, 1, torch.Generator())
+        for flag, value in (("--policy-seq-len", args.policy_seq_len), ("--policy-copy-len", args.policy_copy_len)):
+            if value is not None and args.bits is None:
+                raise ValueError(f"{flag} needs a precision policy (--bits B)")
         if args.policy_seq_len is not None:
-            if args.bits is None:
-                raise ValueError("--policy-seq-len needs a precision policy (--bits B)")
             query_positions(args.policy_seq_len, args.sink, args.recent, 1, torch.Generator())
         device = model_io.resolve_device(args.device)
         dtype = model_io.resolve_dtype(args.dtype, device)
@@ -116,8 +121,12 @@ def main(argv=None) -> int:
         if args.policy_seq_len is not None:
             policy_seqs = data.sequences_from_texts(tok, texts, args.policy_seq_len,
                                                     args.policy_seq_len * args.keep_sequences)
+        copy_seqs = None
+        if args.policy_copy_len is not None:
+            copy_seqs = data.sequences_from_texts(tok, texts, args.policy_copy_len,
+                                                  args.policy_copy_len * args.keep_sequences)
         artifact, report = calibrate(lm, seqs, cfg, data_summary, progress=not args.quiet,
-                                     policy_sequences=policy_seqs)
+                                     policy_sequences=policy_seqs, copy_sequences=copy_seqs)
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         artifact.calibration["peak_rss_mb"] = round(peak_mb)
         artifact.calibration["device"], artifact.calibration["dtype"] = device, str(dtype).removeprefix("torch.")

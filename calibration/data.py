@@ -261,3 +261,35 @@ def sequences_from_texts(tokenizer, texts: dict[str, str], seq_len: int, tokens:
     if not out:
         raise ValueError(f"no text is long enough for one sequence of {seq_len} tokens")
     return Sequences(out, groups, getattr(texts, "provenance", {}))
+
+
+COPY_SUFFIX = "+copy"  # group label of copy-task sequences (:func:`copy_task`)
+
+
+def copy_task(sequences: Sequences, span: int, sink: int, recent: int, seed: int = 0) -> tuple[Sequences, torch.Tensor]:
+    """Retrieval-shaped sequences: each ends with a repeat of ``span`` tokens taken from its own INT2 region.
+
+    In sequence ``x`` of ``T`` tokens, ``x[T - span:] = x[s:s + span]`` with ``s`` drawn uniformly from
+    ``[sink, T - 2 span - recent]``, so every query of the repeat reads its source (what an induction head
+    copies from, as a pass-key answer does) from INT2 keys, 0 to ``T - span - recent - sink`` tokens back
+    beyond the recent window.  Returns the sequences (groups ``DOMAIN+copy``) and the query positions of
+    the repeat, ``[T - span, T)`` (the same for every sequence).
+    """
+    if not sequences:
+        raise ValueError("no sequences to build the copy task from")
+    t = int(sequences[0].numel())
+    hi = t - 2 * span - recent
+    if span <= 0 or hi < sink:
+        raise ValueError(f"a copy span of {span} tokens does not fit {t}-token sequences beyond sink {sink} and "
+                         f"recent {recent}: use sequences of at least {2 * span + recent + sink} tokens")
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for x in sequences:
+        if x.numel() != t:
+            raise ValueError("copy-task sequences must all have the same length")
+        s = int(torch.randint(sink, hi + 1, (1,), generator=gen))
+        y = x.clone()
+        y[t - span:] = x[s:s + span]
+        out.append(y)
+    return (Sequences(out, [g + COPY_SUFFIX for g in sequences.groups], sequences.provenance),
+            torch.arange(t - span, t))

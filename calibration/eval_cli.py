@@ -46,7 +46,8 @@ from oscar_sglang import artifacts as art
 
 from . import capture, data, diagnostics, evaluate, report
 from . import model as model_io
-from .calibrate import METHODS, CalibrationConfig, apply_policy, collect_statistics, fit, policy_statistics
+from .calibrate import (METHODS, CalibrationConfig, apply_policy, collect_statistics, fit, policy_statistics,
+                        with_copy_task)
 from .optr import OptRConfig
 
 KEY_SCALED = "+ks"  # method suffix: the same method with per-channel key scaling (key_scale.py)
@@ -121,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy-seq-len", type=int, default=None,
                    help="tokens per sequence the policy measures its options on (oscar-calibrate --policy-seq-len; "
                         "default --seq-len)")
+    p.add_argument("--policy-copy-len", type=int, default=None,
+                   help="the policy also measures on a copy task of sequences of this length (oscar-calibrate "
+                        "--policy-copy-len)")
     p.add_argument("--artifacts", type=_named_dirs, default={},
                    help="NAME=DIR,...: also evaluate these saved rotations directories (e.g. from --save-artifacts) "
                         "as methods NAME, served at --sink/--recent, without calibrating them again")
@@ -138,11 +142,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _policy_stats(args, lm, tok, texts, stats, cfg, progress):
-    """The statistics the policy measures on: the calibration's, or ``--policy-seq-len`` sequences of ``texts``."""
-    if not args.policy_bits or args.policy_seq_len is None:
-        return stats
-    seqs = data.sequences_from_texts(tok, texts, args.policy_seq_len, args.policy_seq_len * cfg.keep_sequences)
-    return policy_statistics(lm, seqs, cfg, progress)
+    """The statistics the policy measures on (the calibration's, or ``--policy-seq-len`` sequences of ``texts``),
+    plus the ``--policy-copy-len`` copy task; and the fixed query positions per kept sample (or None)."""
+    if not args.policy_bits:
+        return stats, None
+    if args.policy_seq_len is not None:
+        seqs = data.sequences_from_texts(tok, texts, args.policy_seq_len, args.policy_seq_len * cfg.keep_sequences)
+        stats = policy_statistics(lm, seqs, cfg, progress)
+    if args.policy_copy_len is None:
+        return stats, None
+    seqs = data.sequences_from_texts(tok, texts, args.policy_copy_len, args.policy_copy_len * cfg.keep_sequences)
+    return with_copy_task(lm, stats, seqs, cfg, progress)
 
 
 def _error(msg: str) -> int:
@@ -222,12 +232,12 @@ def single(args, methods, argv) -> int:
         loaded = art.load(d, expect=fp)
         fitted[name] = dataclasses.replace(loaded, sink=args.sink, recent=args.recent)
         methods.append(name)
-    pstats = _policy_stats(args, lm, tok, cal_texts, stats, cfg, progress)
+    pstats, fixed = _policy_stats(args, lm, tok, cal_texts, stats, cfg, progress)
     for b in args.policy_bits:
         t = time.time()
         name = f"{args.policy_base}@{b:g}"
         cfg.bits = b
-        fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress)
+        fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress, fixed)
         timings[name] = round(time.time() - t, 1)
         methods.append(name)
         if args.save_artifacts:
@@ -381,12 +391,12 @@ def cross_domain(args, methods, argv) -> int:
             fit_s = round(time.time() - t, 1)
             results.append(_cross_result(args, c, m, fitted[m], fit_s, measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
-        pstats = _policy_stats(args, lm, tok, cal_texts[c], stats, cfg, progress)
+        pstats, fixed = _policy_stats(args, lm, tok, cal_texts[c], stats, cfg, progress)
         for b in args.policy_bits:
             t = time.time()
             cfg.bits = b
             name = f"{args.policy_base}@{b:g}"
-            fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress)
+            fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress, fixed)
             results.append(_cross_result(args, c, name, fitted[name], round(time.time() - t, 1), measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
         cfg.bits = None

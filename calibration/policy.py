@@ -84,16 +84,19 @@ class OptionCosts:
         return float(torch.tensor(self.bits, dtype=torch.float64)[choice].mean())
 
 
-def _positions(samples, sink, recent, n_queries, seed):
+def _positions(samples, sink, recent, n_queries, seed, fixed=None):
+    """Query positions per sample: ``fixed[i]`` where given (e.g. a copy task's repeat), else random reads."""
     gen = torch.Generator().manual_seed(seed)
-    return [query_positions(s.q.shape[1], sink, recent, n_queries, gen) for s in samples]
+    fixed = fixed or [None] * len(samples)
+    return [query_positions(s.q.shape[1], sink, recent, n_queries, gen) if f is None else f
+            for s, f in zip(samples, fixed)]
 
 
 @torch.no_grad()
 def _layer_costs(samples, sample_groups: torch.Tensor, n_groups: int, layer: art.LayerRotation, base: art.LayerFormat,
                  formats: list[RowFormat], w_o: torch.Tensor, scale: float, sink: int, recent: int, n_queries: int,
-                 seed: int):
-    positions = _positions(samples, sink, recent, n_queries, seed)
+                 seed: int, fixed_positions=None):
+    positions = _positions(samples, sink, recent, n_queries, seed, fixed_positions)
     rotated = [RotatedSample(s, layer.k_rotation, layer.v_rotation, layer.k_mean, sink, recent, scale, p,
                              layer.k_scale) for s, p in zip(samples, positions)]
     kvh = layer.k_clip.shape[0]
@@ -129,8 +132,11 @@ def _layer_costs(samples, sample_groups: torch.Tensor, n_groups: int, layer: art
 
 def measure(samples_per_layer: list[list], sample_groups: list[int], group_names: list[str],
             artifact: art.RotationArtifacts, w_o: list[torch.Tensor], scales: list[float], n_queries: int = 64,
-            seed: int = 0, progress: bool = True) -> OptionCosts:
-    """Error of every option for every (layer, side) on the kept sequences (module docstring, step 1)."""
+            seed: int = 0, progress: bool = True, fixed_positions: list | None = None) -> OptionCosts:
+    """Error of every option for every (layer, side) on the kept sequences (module docstring, step 1).
+
+    ``fixed_positions[i]``: the query positions of sample ``i`` (None: ``n_queries`` random decode reads).
+    """
     d = artifact.model.head_dim
     bases = artifact.layer_formats
     formats = candidate_formats(d, bases[0].k)
@@ -142,7 +148,7 @@ def measure(samples_per_layer: list[list], sample_groups: list[int], group_names
     for i in tqdm(range(len(artifact.layers)), desc="policy: measure options", unit="layer", disable=not progress):
         lr = artifact.layers[i].to(None, torch.float32)
         e, c = _layer_costs(samples_per_layer[i], groups, n_groups, lr, bases[i], formats, w_o[i].float(), scales[i],
-                            artifact.sink, artifact.recent, n_queries, seed + 3000 + i)
+                            artifact.sink, artifact.recent, n_queries, seed + 3000 + i, fixed_positions)
         errs.append(e)
         clips.append(c)
     return OptionCosts(formats, [f.bits_per_element(d) for f in formats], torch.stack(errs), torch.stack(clips),

@@ -263,3 +263,22 @@ def test_optr_is_checked_on_a_group_it_did_not_train_on(tiny):
     assert all(torch.equal(x.k_rotation, y.k_rotation) and torch.equal(x.k_clip, y.k_clip)
                for x, y in zip(a.layers, again.layers)), "calibration must be deterministic"
     assert "held-out decisions" in cal.summary_table(report)
+
+
+def test_copy_task_repeats_a_span_from_the_int2_region():
+    g = torch.Generator().manual_seed(0)
+    seqs = data.Sequences([torch.randint(0, 1000, (200,), generator=g) for _ in range(6)], ["a", "a", "b", "b", "c", "c"])
+    out, pos = data.copy_task(seqs, span=16, sink=4, recent=32, seed=1)
+    assert out.groups == ["a+copy", "a+copy", "b+copy", "b+copy", "c+copy", "c+copy"]
+    assert torch.equal(pos, torch.arange(184, 200))
+    starts = []
+    for x, y in zip(seqs, out):
+        assert torch.equal(y[:184], x[:184]) and not torch.equal(y, x)
+        # the repeat's source lies past the sink and ends before the first repeat query's recent window
+        found = [s for s in range(4, 200 - 2 * 16 - 32 + 1) if torch.equal(y[184:], x[s:s + 16])]
+        assert found
+        starts.append(found[0])
+    assert len(set(starts)) > 1                         # drawn per sequence, not one place for all
+    assert torch.equal(data.copy_task(seqs, 16, 4, 32, seed=1)[0][0], out[0])   # deterministic in the seed
+    with pytest.raises(ValueError, match="does not fit"):
+        data.copy_task(seqs, span=90, sink=4, recent=32)

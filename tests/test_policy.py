@@ -10,7 +10,7 @@ from oscar_sglang import artifacts as art
 from oscar_sglang import format as fmt
 from oscar_sglang import rotation as rot
 from oscar_sglang.calibration import calibrate as cal
-from oscar_sglang.calibration import evaluate, fit, policy, served
+from oscar_sglang.calibration import data, evaluate, fit, policy, served
 from oscar_sglang.calibration.stats import LayerSample
 from oscar_sglang.format import RowFormat
 
@@ -179,3 +179,30 @@ def test_policy_step_on_a_tiny_model_writes_a_v2_artifact_with_lower_errors(tiny
     with pytest.raises(ValueError, match="below the cheapest format"):
         cal.calibrate(tiny, seqs, cal.CalibrationConfig(method="hadamard", sink=4, recent=8, bits=3.0),
                       progress=False)
+
+
+def test_fixed_query_positions_replace_only_the_samples_they_are_given_for():
+    samples = [_sample(i) for i in range(3)]
+    free = policy._positions(samples, 4, 8, 16, seed=5)
+    fixed = torch.tensor([60, 61, 62])
+    got = policy._positions(samples, 4, 8, 16, seed=5, fixed=[None, None, fixed])
+    assert torch.equal(got[0], free[0]) and torch.equal(got[1], free[1]) and torch.equal(got[2], fixed)
+
+
+def test_policy_with_a_copy_task_measures_it_as_held_out_groups(tiny):
+    class Seqs(list):
+        groups = ["one", "one", "two", "two"]
+
+    g = torch.Generator().manual_seed(1)
+    seqs = Seqs(torch.randint(0, 97, (96,), generator=g) for _ in range(4))
+    longer = data.Sequences([torch.randint(0, 97, (160,), generator=g) for _ in range(2)], ["one", "two"])
+    cfg = cal.CalibrationConfig(method="hadamard-center", sink=4, recent=8, keep_sequences=4, clip_queries=32,
+                                decision_queries=32, bits=6.0)
+    plain, _ = cal.calibrate(tiny, seqs, cfg, progress=False)
+    a, _ = cal.calibrate(tiny, seqs, cfg, progress=False, copy_sequences=longer)
+    rep = a.calibration["policy"]
+    assert rep["measured_on"]["copy_task"] == {"span": cal.COPY_SPAN, "groups": ["one+copy", "two+copy"]}
+    assert rep["measured_on"]["seq_len"] == [96, 160] and rep["measured_on"]["sequences"] == 6
+    assert [f["heldout"] for f in rep["heldout_check"]["folds"]] == ["one", "two", "one+copy", "two+copy"]
+    # the copy task's errors enter the objective: the measured base error is not the plain policy's
+    assert rep["error_base"] != pytest.approx(plain.calibration["policy"]["error_base"])
