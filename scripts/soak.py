@@ -38,6 +38,7 @@ import datetime
 import http.client
 import json
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -333,6 +334,7 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
     bad_wrong = [r for r in bad if not (400 <= r["status"] < 500 or r["status"] == 200)]
     probe_cmp = [same_up_to_noise(b, a) for b, a in zip(before, after)]
     window = sink + recent
+    pressure = memory_pressure(log)
     idle_ok = bool(after_lines) and after_lines[-1]["in_window"] == window
     report = {
         "date": datetime.date.today().isoformat(), "requests": len(plan), "ran": len(ran),
@@ -346,11 +348,28 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
         "flushed_after": flushed, "alive_after": alive,
         "hot_pool_after": {"lines": after_lines[-2:], "window": window, "ok": idle_ok},
         "probes": [{"equal_leading": n, "largest_move": round(m, 4), "ok": ok} for ok, n, m in probe_cmp],
-        "examples_5xx": five[:5],
+        "examples_5xx": five[:5], **pressure,
     }
     report["ok"] = (not five and not unfinished and not aborted_wrong and not bad_wrong and flushed and alive == 200
-                    and idle_ok and all(ok for ok, _, _ in probe_cmp) and len(ran) > 0)
+                    and idle_ok and all(ok for ok, _, _ in probe_cmp) and len(ran) > 0
+                    and pressure["hot_pool_during"]["in_window_evictions"] == 0)
     return report
+
+
+_RETRACT = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
+
+
+def memory_pressure(log: Path) -> dict:
+    """From the server log: SGLang's retractions for a full KV pool, and the hot pool's worst line."""
+    text = Path(log).read_text(errors="replace")
+    retracted = [int(n) for n in _RETRACT.findall(text)]
+    lines = log_lines(log)
+    return {"retractions": {"events": len(retracted), "requests": sum(retracted)},
+            "hot_pool_during": {"lines": len(lines),
+                                "max_in_window": max((x["in_window"] for x in lines), default=0),
+                                "entries": lines[-1]["entries"] if lines else 0,
+                                "in_window_evictions": max((x["in_window_evictions"] for x in lines), default=0),
+                                "denied_window_tokens": max((x["denied"] for x in lines), default=0)}}
 
 
 def write_report(report: dict, command: str, out: Path) -> None:
@@ -375,6 +394,11 @@ def write_report(report: dict, command: str, out: Path) -> None:
         f"{sum(p['ok'] for p in report['probes'])}/{len(report['probes'])} "
         f"(largest log-prob move {max((p['largest_move'] for p in report['probes']), default=0)}) |",
         f"| server alive after | {report['alive_after'] == 200} |",
+        f"| SGLang retractions for a full KV pool (events / requests retracted and resumed) | "
+        f"{report['retractions']['events']} / {report['retractions']['requests']} |",
+        f"| hot pool during the traffic: most entries in window / in-window evictions / denied window tokens | "
+        f"{report['hot_pool_during']['max_in_window']} of {report['hot_pool_during']['entries']} / "
+        f"**{report['hot_pool_during']['in_window_evictions']}** / {report['hot_pool_during']['denied_window_tokens']} |",
         f"| **all checks** | **{'pass' if report['ok'] else 'FAIL'}** |", "",
         f"Requests by kind: {report['by_kind']}; HTTP status counts: {report['status']}; "
         f"`/flush_cache` during traffic: {report['flush_cache_during_traffic']} (SGLang refuses while requests run).",
@@ -395,6 +419,9 @@ def main(argv=None) -> int:
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--recent", type=int, default=16)
     p.add_argument("--context-length", type=int, default=4096)
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="the server's KV pool in tokens (default max(16384, 4 x context)); small values put it under "
+                        "memory pressure, so SGLang retracts running requests and resumes them")
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -411,7 +438,8 @@ def main(argv=None) -> int:
     log = work / "server.log"
     flags = ["--kv-cache-dtype", "oscar-int2", "--oscar-rotations", str(rot), "--oscar-sink", str(args.sink),
              "--oscar-recent", str(args.recent), "--context-length", str(args.context_length),
-             "--max-total-tokens", str(max(16384, 4 * args.context_length)), "--decode-log-interval", "8"]
+             "--max-total-tokens", str(args.max_total_tokens or max(16384, 4 * args.context_length)),
+             "--decode-log-interval", "8"]
     print(f"starting the oscar-int2 server (log: {log})", flush=True)
     with local_server(model, log, *flags) as url:
         report = soak(url, log, requests=args.requests, concurrency=args.concurrency,

@@ -43,4 +43,22 @@ def test_short_soak_leaves_the_server_healthy_and_unchanged(tmp_path):
     assert report["bad_input_not_4xx"] == 0, report["bad_input"]
     assert report["hot_pool_after"]["ok"], report["hot_pool_after"]
     assert all(p["ok"] for p in report["probes"]), report["probes"]
+    during = report["hot_pool_during"]      # the server's own hot-pool lines over the traffic
+    assert during["lines"] > 0 and during["in_window_evictions"] == 0 and 0 < during["max_in_window"] <= during["entries"]
+    assert set(report["retractions"]) == {"events", "requests"}
     assert report["ok"]
+
+
+def test_memory_pressure_is_read_from_the_server_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("x oscar-int2 hot pool: 40/800 entries in window, 3 out of window; in-window evictions 0, denied "
+                   "window tokens 0; BF16 reads 10/20 (50.0 %) in this decode batch\n"
+                   "[w] KV cache pool is full. Retract requests. #retracted_reqs: 3, #new_tokens_gained: 500\n"
+                   "x oscar-int2 hot pool: 60/800 entries in window, 1 out of window; in-window evictions 2, denied "
+                   "window tokens 5; BF16 reads 10/20 (50.0 %) in this decode batch\n"
+                   "[w] KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 90\n"
+                   "[w] Testing retraction. #retracted_reqs: 7, #new_tokens_gained: 1\n")
+    got = soak.memory_pressure(log)
+    assert got["retractions"] == {"events": 2, "requests": 4}          # the test switch's retractions do not count
+    assert got["hot_pool_during"] == {"lines": 2, "max_in_window": 60, "entries": 800, "in_window_evictions": 2,
+                                      "denied_window_tokens": 5}
