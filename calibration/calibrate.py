@@ -196,10 +196,7 @@ def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | Non
     a.calibration.setdefault("seconds", {})
     if cfg.bits is not None:
         t1 = time.time()
-        pstats = stats if policy_sequences is None else policy_statistics(model, policy_sequences, cfg, progress)
-        fixed = None
-        if copy_sequences is not None:
-            pstats, fixed = with_copy_task(model, pstats, copy_sequences, cfg, progress)
+        pstats, fixed = policy_inputs(model, stats, cfg, policy_sequences, copy_sequences, progress)
         a = apply_policy(model, pstats, a, cfg, progress, fixed)
         a.calibration["seconds"]["policy"] = round(time.time() - t1, 1)
     a.calibration["seconds"]["total"] = round(time.time() - t0, 1)
@@ -225,6 +222,17 @@ def with_copy_task(model, stats: GroupedStatistics, sequences, cfg: CalibrationC
     return merged, [None] * len(stats.sample_groups()) + [pos] * len(c.sample_groups())
 
 
+def policy_inputs(model, stats: GroupedStatistics, cfg: CalibrationConfig, policy_sequences=None,
+                  copy_sequences=None, progress: bool = True) -> tuple[GroupedStatistics, list | None]:
+    """What the policy measures on: ``stats`` (or statistics of ``policy_sequences``), plus the copy task on
+    ``copy_sequences``; and the fixed query positions per kept sample (None: random decode reads)."""
+    if policy_sequences is not None:
+        stats = policy_statistics(model, policy_sequences, cfg, progress)
+    if copy_sequences is None:
+        return stats, None
+    return with_copy_task(model, stats, copy_sequences, cfg, progress)
+
+
 def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifacts, cfg: CalibrationConfig,
                  progress: bool = True, fixed_positions: list | None = None) -> art.RotationArtifacts:
     """Measure every row-format option per (layer, K/V) and store the best mix under ``cfg.bits`` (policy.py).
@@ -245,11 +253,9 @@ def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifact
     out = policy.apply(artifact, costs, choice)
     rep = policy.report(costs, choice, cfg.bits, check)
     first = stats.layers[0].samples
-    rep["measured_on"] = {"sequences": len(first), "seq_len": int(first[0].q.shape[1]) if first else 0,
+    lengths = sorted({int(x.q.shape[1]) for x in first}) or [0]
+    rep["measured_on"] = {"sequences": len(first), "seq_len": lengths[0] if len(lengths) == 1 else lengths,
                           "groups": {n: stats.sample_groups().count(g) for g, n in enumerate(stats.names)}}
-    lengths = sorted({int(x.q.shape[1]) for x in first})
-    if len(lengths) > 1:
-        rep["measured_on"]["seq_len"] = lengths
     if fixed_positions and any(f is not None for f in fixed_positions):
         rep["measured_on"]["copy_task"] = {"span": COPY_SPAN, "groups": [n for n in stats.names
                                                                            if data.COPY_SUFFIX in n]}

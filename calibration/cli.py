@@ -27,7 +27,7 @@ from oscar_sglang import artifacts as art
 
 from . import data
 from . import model as model_io
-from .calibrate import METHODS, CalibrationConfig, calibrate, summary_table
+from .calibrate import COPY_SPAN, METHODS, CalibrationConfig, calibrate, summary_table
 from .policy import DEFAULT_BITS
 from .policy import summary_table as policy_table
 from .fit import query_positions
@@ -103,6 +103,8 @@ def main(argv=None) -> int:
                 raise ValueError(f"{flag} needs a precision policy (--bits B)")
         if args.policy_seq_len is not None:
             query_positions(args.policy_seq_len, args.sink, args.recent, 1, torch.Generator())
+        if args.policy_copy_len is not None:
+            data.copy_source_bound(args.policy_copy_len, COPY_SPAN, args.sink, args.recent)
         device = model_io.resolve_device(args.device)
         dtype = model_io.resolve_dtype(args.dtype, device)
         texts = data.load_texts(args.data)
@@ -117,14 +119,9 @@ def main(argv=None) -> int:
             optr=OptRConfig(steps=args.optr_steps, lr=args.optr_lr, output_weight=args.optr_lambda),
         )
         data_summary = {"spec": args.data, "texts": list(texts), "model": str(path)}
-        policy_seqs = None
-        if args.policy_seq_len is not None:
-            policy_seqs = data.sequences_from_texts(tok, texts, args.policy_seq_len,
-                                                    args.policy_seq_len * args.keep_sequences)
-        copy_seqs = None
-        if args.policy_copy_len is not None:
-            copy_seqs = data.sequences_from_texts(tok, texts, args.policy_copy_len,
-                                                  args.policy_copy_len * args.keep_sequences)
+        policy_seqs, copy_seqs = (None if n is None else
+                                  data.sequences_from_texts(tok, texts, n, n * args.keep_sequences)
+                                  for n in (args.policy_seq_len, args.policy_copy_len))
         artifact, report = calibrate(lm, seqs, cfg, data_summary, progress=not args.quiet,
                                      policy_sequences=policy_seqs, copy_sequences=copy_seqs)
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -266,6 +266,15 @@ def sequences_from_texts(tokenizer, texts: dict[str, str], seq_len: int, tokens:
 COPY_SUFFIX = "+copy"  # group label of copy-task sequences (:func:`copy_task`)
 
 
+def copy_source_bound(seq_len: int, span: int, sink: int, recent: int) -> int:
+    """The last start of a copy task's source span in ``seq_len`` tokens (:func:`copy_task`); raises if none fits."""
+    hi = seq_len - 2 * span - recent
+    if span <= 0 or hi < sink:
+        raise ValueError(f"a copy span of {span} tokens does not fit {seq_len}-token sequences beyond sink {sink} and "
+                         f"recent {recent}: use sequences of at least {2 * span + recent + sink} tokens")
+    return hi
+
+
 def copy_task(sequences: Sequences, span: int, sink: int, recent: int, seed: int = 0) -> tuple[Sequences, torch.Tensor]:
     """Retrieval-shaped sequences: each ends with a repeat of ``span`` tokens taken from its own INT2 region.
 
@@ -278,10 +287,7 @@ def copy_task(sequences: Sequences, span: int, sink: int, recent: int, seed: int
     if not sequences:
         raise ValueError("no sequences to build the copy task from")
     t = int(sequences[0].numel())
-    hi = t - 2 * span - recent
-    if span <= 0 or hi < sink:
-        raise ValueError(f"a copy span of {span} tokens does not fit {t}-token sequences beyond sink {sink} and "
-                         f"recent {recent}: use sequences of at least {2 * span + recent + sink} tokens")
+    hi = copy_source_bound(t, span, sink, recent)
     gen = torch.Generator().manual_seed(seed)
     out = []
     for x in sequences:

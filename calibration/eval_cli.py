@@ -46,8 +46,7 @@ from oscar_sglang import artifacts as art
 
 from . import capture, data, diagnostics, evaluate, report
 from . import model as model_io
-from .calibrate import (METHODS, CalibrationConfig, apply_policy, collect_statistics, fit, policy_statistics,
-                        with_copy_task)
+from .calibrate import METHODS, CalibrationConfig, apply_policy, collect_statistics, fit, policy_inputs
 from .optr import OptRConfig
 
 KEY_SCALED = "+ks"  # method suffix: the same method with per-channel key scaling (key_scale.py)
@@ -146,13 +145,9 @@ def _policy_stats(args, lm, tok, texts, stats, cfg, progress):
     plus the ``--policy-copy-len`` copy task; and the fixed query positions per kept sample (or None)."""
     if not args.policy_bits:
         return stats, None
-    if args.policy_seq_len is not None:
-        seqs = data.sequences_from_texts(tok, texts, args.policy_seq_len, args.policy_seq_len * cfg.keep_sequences)
-        stats = policy_statistics(lm, seqs, cfg, progress)
-    if args.policy_copy_len is None:
-        return stats, None
-    seqs = data.sequences_from_texts(tok, texts, args.policy_copy_len, args.policy_copy_len * cfg.keep_sequences)
-    return with_copy_task(lm, stats, seqs, cfg, progress)
+    seqs = {n: None if length is None else data.sequences_from_texts(tok, texts, length, length * cfg.keep_sequences)
+            for n, length in (("policy", args.policy_seq_len), ("copy", args.policy_copy_len))}
+    return policy_inputs(lm, stats, cfg, seqs["policy"], seqs["copy"], progress)
 
 
 def _error(msg: str) -> int:

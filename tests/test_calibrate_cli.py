@@ -57,6 +57,8 @@ def test_policy_measures_on_its_own_longer_sequences(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["--bits", "int2", "--policy-seq-len", "640", "--out", str(tmp_path / "x")]) == 2
     assert "needs a precision policy" in capsys.readouterr().err
+    assert cli.main(["--policy-copy-len", "300", "--out", str(tmp_path / "x")]) == 2   # before the long part
+    assert "does not fit 300-token sequences" in capsys.readouterr().err
 
 
 def test_calibrate_reports_bad_input_clearly(tmp_path, capsys):
