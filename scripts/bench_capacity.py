@@ -52,14 +52,15 @@ ROOT = Path(__file__).resolve().parents[1]
 GOALS = {64: 6.0, 128: 6.8}  # INT2 everywhere
 POLICY_GOAL = 5.5  # a precision policy's artifact (oscar-calibrate --bits, default 2.75)
 GEOMETRIES = ("smollm2", "qwen", "d128")
-REAL_WEIGHTS = {"smollm2": "SmolLM2-135M-Instruct", "qwen": "Qwen2.5-Coder-0.5B-Instruct"}
+REAL_WEIGHTS = ("smollm2", "qwen")  # geometries served with their real model weights
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "docs", help="output folder (default docs/)")
-    p.add_argument("--budget-gib", type=float, nargs=2, default=(6.0, 2.0), metavar=("SMOLLM2", "D128"),
-                   help="KV memory budget per geometry in GiB (default 6 2)")
+    p.add_argument("--budget-gib", type=float, nargs=2, default=(6.0, 2.0), metavar=("REAL", "D128"),
+                   help="KV memory budget in GiB for the real-weight geometries (smollm2, qwen) and for d128 "
+                        "(default 6 2)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default 1 8)")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=32)
