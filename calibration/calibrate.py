@@ -76,6 +76,8 @@ class CalibrationConfig:
     bits: float | None = None
     # Per-channel key scaling (key_scale.py), searched after the rotation and clips, held-out checked.
     key_scaling: bool = False
+    # The policy may also choose symmetric rows (scale only; policy.SYMMETRIC_OPTIONS), some cheaper than INT2.
+    symmetric_rows: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -233,21 +235,31 @@ def policy_inputs(model, stats: GroupedStatistics, cfg: CalibrationConfig, polic
     return with_copy_task(model, stats, copy_sequences, cfg, progress)
 
 
-def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifacts, cfg: CalibrationConfig,
-                 progress: bool = True, fixed_positions: list | None = None) -> art.RotationArtifacts:
-    """Measure every row-format option per (layer, K/V) and store the best mix under ``cfg.bits`` (policy.py).
-
-    ``fixed_positions``: query positions per kept sample (:func:`with_copy_task`); default random reads.
-    """
+def policy_costs(model, stats: GroupedStatistics, artifact: art.RotationArtifacts, cfg: CalibrationConfig,
+                 progress: bool = True, fixed_positions: list | None = None):
+    """What every row-format option costs and buys per (layer, K/V) on ``stats`` (``policy.measure``)."""
     from . import policy
 
     mods = attention_modules(model)
     hd = artifact.model.head_dim
-    costs = policy.measure([st.samples for st in stats.layers], stats.sample_groups(), stats.names, artifact,
-                           [m.o_proj.weight.detach().cpu() for m in mods],
-                           [float(getattr(m, "scaling", hd ** -0.5)) for m in mods],
-                           n_queries=cfg.decision_queries, seed=cfg.seed, progress=progress,
-                           fixed_positions=fixed_positions)
+    return policy.measure([st.samples for st in stats.layers], stats.sample_groups(), stats.names, artifact,
+                          [m.o_proj.weight.detach().cpu() for m in mods],
+                          [float(getattr(m, "scaling", hd ** -0.5)) for m in mods],
+                          n_queries=cfg.decision_queries, seed=cfg.seed, progress=progress,
+                          fixed_positions=fixed_positions, symmetric=cfg.symmetric_rows)
+
+
+def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifacts, cfg: CalibrationConfig,
+                 progress: bool = True, fixed_positions: list | None = None, costs=None) -> art.RotationArtifacts:
+    """Measure every row-format option per (layer, K/V) and store the best mix under ``cfg.bits`` (policy.py).
+
+    ``fixed_positions``: query positions per kept sample (:func:`with_copy_task`); default random reads.
+    ``costs``: measured already (:func:`policy_costs` of the same inputs; several budgets share one measure).
+    """
+    from . import policy
+
+    if costs is None:
+        costs = policy_costs(model, stats, artifact, cfg, progress, fixed_positions)
     choice = policy.choose(costs, cfg.bits)
     check = policy.heldout_check(costs, cfg.bits)
     out = policy.apply(artifact, costs, choice)

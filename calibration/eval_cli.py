@@ -46,7 +46,7 @@ from oscar_sglang import artifacts as art
 
 from . import capture, data, diagnostics, evaluate, report
 from . import model as model_io
-from .calibrate import METHODS, CalibrationConfig, apply_policy, collect_statistics, fit, policy_inputs
+from .calibrate import METHODS, CalibrationConfig, apply_policy, collect_statistics, fit, policy_costs, policy_inputs
 from .optr import OptRConfig
 
 KEY_SCALED = "+ks"  # method suffix: the same method with per-channel key scaling (key_scale.py)
@@ -64,6 +64,23 @@ def _ints(s: str) -> list[int]:
 
 def _floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
+
+
+SYMMETRIC = "sym"  # --policy-bits suffix: the policy may also choose symmetric rows (oscar-calibrate --symmetric-rows)
+
+
+def _budgets(s: str) -> list[tuple[float, bool]]:
+    """``2.5,2.5sym,3`` -> ``[(2.5, False), (2.5, True), (3.0, False)]``."""
+    out = []
+    for x in s.split(","):
+        if x:
+            sym = x.endswith(SYMMETRIC)
+            out.append((float(x.removesuffix(SYMMETRIC)), sym))
+    return out
+
+
+def _budget_name(base: str, bits: float, sym: bool) -> str:
+    return f"{base}@{bits:g}" + (SYMMETRIC if sym else "")
 
 
 def _named_dirs(s: str) -> dict[str, Path]:
@@ -114,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluation texts for --cross-domain (default: DOMAIN-eval of every domain)")
     p.add_argument("--windows", type=_windows, default=[(art.DEFAULT_SINK, art.DEFAULT_RECENT), (4, 32)],
                    help="BF16 window settings SINK:RECENT,... for --cross-domain (default 64:256,4:32)")
-    p.add_argument("--policy-bits", type=_floats, default=[],
-                   help="precision-policy budgets (average bits per element) to evaluate, e.g. 2.75,3")
+    p.add_argument("--policy-bits", type=_budgets, default=[],
+                   help="precision-policy budgets (average bits per element) to evaluate, e.g. 2.75,3; a budget "
+                        f"ending in '{SYMMETRIC}' (2.5{SYMMETRIC}) also offers symmetric rows (oscar-calibrate "
+                        "--symmetric-rows)")
     p.add_argument("--policy-base", default="optr", choices=METHODS[1:] + tuple(m + KEY_SCALED for m in SCALABLE),
                    help="calibrated method the policy starts from (default optr)")
     p.add_argument("--policy-seq-len", type=int, default=None,
@@ -228,16 +247,19 @@ def single(args, methods, argv) -> int:
         fitted[name] = dataclasses.replace(loaded, sink=args.sink, recent=args.recent)
         methods.append(name)
     pstats, fixed = _policy_stats(args, lm, tok, cal_texts, stats, cfg, progress)
-    for b in args.policy_bits:
+    costs = {}
+    for b, sym in args.policy_bits:
         t = time.time()
-        name = f"{args.policy_base}@{b:g}"
-        cfg.bits = b
-        fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress, fixed)
+        name = _budget_name(args.policy_base, b, sym)
+        cfg.bits, cfg.symmetric_rows = b, sym
+        if sym not in costs:
+            costs[sym] = policy_costs(lm, pstats, fitted[args.policy_base], cfg, progress, fixed)
+        fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress, fixed, costs[sym])
         timings[name] = round(time.time() - t, 1)
         methods.append(name)
         if args.save_artifacts:
             art.save(fitted[name], args.save_artifacts / name)
-    cfg.bits = None
+    cfg.bits, cfg.symmetric_rows = None, False
     del stats, pstats
 
     eval_name = next(iter(eval_texts))
@@ -387,14 +409,17 @@ def cross_domain(args, methods, argv) -> int:
             results.append(_cross_result(args, c, m, fitted[m], fit_s, measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
         pstats, fixed = _policy_stats(args, lm, tok, cal_texts[c], stats, cfg, progress)
-        for b in args.policy_bits:
+        costs = {}
+        for b, sym in args.policy_bits:
             t = time.time()
-            cfg.bits = b
-            name = f"{args.policy_base}@{b:g}"
-            fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress, fixed)
+            cfg.bits, cfg.symmetric_rows = b, sym
+            name = _budget_name(args.policy_base, b, sym)
+            if sym not in costs:
+                costs[sym] = policy_costs(lm, pstats, fitted[args.policy_base], cfg, progress, fixed)
+            fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress, fixed, costs[sym])
             results.append(_cross_result(args, c, name, fitted[name], round(time.time() - t, 1), measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
-        cfg.bits = None
+        cfg.bits, cfg.symmetric_rows = None, False
         del stats, pstats, fitted
 
     meta = {

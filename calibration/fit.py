@@ -115,7 +115,8 @@ class RotatedSample:
 
 # --- error curves over the clip grid, per held-out group -----------------------------------------
 
-def clip_curves(rotated: list[RotatedSample], group: int, which: str, bits: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_curves(rotated: list[RotatedSample], group: int, which: str, bits: int = 2,
+                symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Squared error per kept sequence and clip level ``[S, len(CLIP_GRID), kv_heads]`` and energy ``[S, kv_heads]``."""
     errs, energy = [], []
     for s in rotated:
@@ -124,7 +125,7 @@ def clip_curves(rotated: list[RotatedSample], group: int, which: str, bits: int 
         clip = torch.empty(x.shape[0], 1, 1)
         row = []
         for c in CLIP_GRID:
-            row.append(measure(fmt.fake_quantize(x, group, clip.fill_(float(c)), bits=bits)).double())
+            row.append(measure(fmt.fake_quantize(x, group, clip.fill_(float(c)), bits, symmetric)).double())
         errs.append(torch.stack(row))
         energy.append((s.key_energy() if which == "k" else s.value_energy()).double())
     return torch.stack(errs), torch.stack(energy)

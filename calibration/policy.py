@@ -44,35 +44,44 @@ from .fit import CLIP_GRID, RotatedSample, clip_curves, fold_scores, query_posit
 # INT2 one group 2.5 / 2.25, INT2 g32 3.0, INT2 g16 4.0, INT4 one group 4.5 / 4.25, INT4 g32 5.0, INT8 8.5 / 8.25.
 # INT8 is the near-lossless last resort (its rounding error is ~85x INT2's smaller, about BF16's own).
 OPTIONS = (RowFormat(2), RowFormat(2, 32), RowFormat(2, 16), RowFormat(4), RowFormat(4, 32), RowFormat(8))
+# Symmetric rows (scale only, zero implied; oscar_sglang.format): INT2 2.25 / 2.125, INT4 4.25 / 4.125.  Cheaper than
+# the base for centered rows, so the policy may move easy layers below the base and spend the saving on hard ones.
+SYMMETRIC_OPTIONS = (RowFormat(2, symmetric=True), RowFormat(4, symmetric=True))
 # 16 bits / 2.75 = 5.8x the tokens of BF16 before the hot pool: capacity stays >= 5.5x BF16.
 DEFAULT_BITS = 2.75
 SIDES = ("k", "v")
 
 
-def candidate_formats(head_dim: int, base: RowFormat | None = None) -> list[RowFormat]:
-    """The options valid for ``head_dim``, cheapest first, starting with ``base`` (default INT2, one group)."""
+def candidate_formats(head_dim: int, base: RowFormat | None = None, symmetric: bool = False) -> list[RowFormat]:
+    """The options valid for ``head_dim``, cheapest first: ``base`` (default INT2, one group) and every option
+    dearer than it; with ``symmetric`` also the symmetric rows (:data:`SYMMETRIC_OPTIONS`, some cheaper than base)."""
     base = (base or RowFormat(2)).resolved(head_dim)
     out = [base]
-    for f in OPTIONS:
+    for f in OPTIONS + (SYMMETRIC_OPTIONS if symmetric else ()):
         g = f.group_for(head_dim)
         if g > head_dim or head_dim % g:
             continue
         f = f.resolved(head_dim)
-        if f not in out and f.bits_per_element(head_dim) > base.bits_per_element(head_dim):
+        if f not in out and (f.symmetric or f.bits_per_element(head_dim) > base.bits_per_element(head_dim)):
             out.append(f)
-    return sorted(out, key=lambda f: (f.bits_per_element(head_dim), -f.bits))
+    return sorted(out, key=lambda f: (f.bits_per_element(head_dim), -f.bits, f.symmetric))
 
 
 @dataclass
 class OptionCosts:
     """What every option costs and buys, per (layer, side)."""
 
-    formats: list[RowFormat]  # cheapest first; formats[0] is the base
+    formats: list[RowFormat]  # cheapest first
     bits: list[float]  # bits per element of each format
     err: torch.Tensor  # [layers, 2 (K, V), options, groups] float64: relative squared output error
     clips: torch.Tensor  # [layers, 2, options, kv_heads] float32: clip ratio of each option
     group_names: list[str]
     head_dim: int
+    base_index: int = 0  # formats[base_index] is the base method's format (the policy's reference)
+
+    def base_choice(self) -> torch.Tensor:
+        """Every layer and side in the base format ``[layers, 2]``."""
+        return torch.full(self.err.shape[:2], self.base_index, dtype=torch.long)
 
     def total(self, choice: torch.Tensor, groups=None) -> float:
         """Summed error of ``choice [layers, 2]`` (option index per side), mean over ``groups`` (default all)."""
@@ -109,7 +118,7 @@ def _layer_costs(samples, sample_groups: torch.Tensor, n_groups: int, layer: art
             if f == base_f:
                 clip = base_clip.float()
             else:  # this option's own clip, kept only where it helps held-out groups (as the base's clips)
-                curves = clip_curves(rotated, f.group, side, f.bits)
+                curves = clip_curves(rotated, f.group, side, f.bits, f.symmetric)
                 best = relative_by_group(*curves, sample_groups, range(n_groups)).argmin(0)
                 if n_groups >= 2:
                     held = [fold_scores(*curves, sample_groups, n_groups, g) for g in range(n_groups)]
@@ -121,7 +130,7 @@ def _layer_costs(samples, sample_groups: torch.Tensor, n_groups: int, layer: art
             ref_sum = torch.zeros(n_groups, dtype=torch.float64)
             for r, g in zip(rotated, sample_groups.tolist()):
                 x = r.kr if side == "k" else r.vr
-                xq = fmt.fake_quantize(x, f.group, clip.reshape(-1, 1, 1), bits=f.bits)
+                xq = f.fake_quantize(x, clip.reshape(-1, 1, 1))
                 e, ref = r.output_error(xq if side == "k" else None, xq if side == "v" else None,
                                         layer.v_rotation, w_o, scale)
                 e_sum[g] += e
@@ -132,15 +141,18 @@ def _layer_costs(samples, sample_groups: torch.Tensor, n_groups: int, layer: art
 
 def measure(samples_per_layer: list[list], sample_groups: list[int], group_names: list[str],
             artifact: art.RotationArtifacts, w_o: list[torch.Tensor], scales: list[float], n_queries: int = 64,
-            seed: int = 0, progress: bool = True, fixed_positions: list | None = None) -> OptionCosts:
+            seed: int = 0, progress: bool = True, fixed_positions: list | None = None,
+            symmetric: bool = False) -> OptionCosts:
     """Error of every option for every (layer, side) on the kept sequences (module docstring, step 1).
 
     ``fixed_positions[i]``: the query positions of sample ``i`` (None: ``n_queries`` random decode reads).
+    ``symmetric``: the symmetric row options too (:data:`SYMMETRIC_OPTIONS`).
     """
     d = artifact.model.head_dim
     bases = artifact.layer_formats
-    formats = candidate_formats(d, bases[0].k)
-    if any(b.k != formats[0] or b.v != formats[0] for b in bases):
+    base = bases[0].k
+    formats = candidate_formats(d, base, symmetric)
+    if any(b.k != base or b.v != base for b in bases):
         raise ValueError("the precision policy starts from an artifact with one row format for every layer")
     groups = torch.tensor(sample_groups)
     n_groups = len(group_names)
@@ -152,7 +164,7 @@ def measure(samples_per_layer: list[list], sample_groups: list[int], group_names
         errs.append(e)
         clips.append(c)
     return OptionCosts(formats, [f.bits_per_element(d) for f in formats], torch.stack(errs), torch.stack(clips),
-                       list(group_names), d)
+                       list(group_names), d, formats.index(base))
 
 
 def choose(costs: OptionCosts, budget_bits: float, groups=None) -> torch.Tensor:
@@ -201,7 +213,7 @@ def uniform_choice(costs: OptionCosts, budget_bits: float) -> torch.Tensor:
 def heldout_check(costs: OptionCosts, budget_bits: float) -> dict:
     """Leave each group out: the policy chosen on the others, scored on it (module docstring, step 3)."""
     n = costs.err.shape[-1]
-    base = torch.zeros(costs.err.shape[0], 2, dtype=torch.long)
+    base = costs.base_choice()
     folds = []
     if n >= 2:
         uniform, on_all = uniform_choice(costs, budget_bits), choose(costs, budget_bits)
@@ -236,9 +248,9 @@ def report(costs: OptionCosts, choice: torch.Tensor, budget_bits: float, check: 
         layers.append({"layer": i, "k": d_names[int(choice[i, 0])], "v": d_names[int(choice[i, 1])],
                        "k_error": {n: round(float(x), 6) for n, x in zip(d_names, e[0])},
                        "v_error": {n: round(float(x), 6) for n, x in zip(d_names, e[1])}})
-    base = torch.zeros_like(choice)
+    base = costs.base_choice()
     return {"budget_bits": budget_bits, "average_bits": round(costs.average_bits(choice), 4),
-            "options": {n: b for n, b in zip(d_names, costs.bits)},
+            "options": {n: b for n, b in zip(d_names, costs.bits)}, "base": d_names[costs.base_index],
             "error_base": round(costs.total(base), 6), "error_policy": round(costs.total(choice), 6),
             "objective": "sum over layers of the relative squared attention-output error after W_O (K and V "
                          "measured separately, the other side exact), mean over held-out groups",
@@ -247,15 +259,15 @@ def report(costs: OptionCosts, choice: torch.Tensor, budget_bits: float, check: 
 
 def summary_table(rep: dict) -> str:
     """One line per layer whose formats are not the base, then totals."""
-    names = list(rep["options"])
+    base = rep.get("base", next(iter(rep["options"])))
     lines = [f"precision policy: {rep['average_bits']:.3f} bits/element (budget {rep['budget_bits']:g}); "
-             f"summed output error {rep['error_base']:.4f} (all {names[0]}) -> {rep['error_policy']:.4f}"]
-    up = [r for r in rep["layers"] if r["k"] != names[0] or r["v"] != names[0]]
+             f"summed output error {rep['error_base']:.4f} (all {base}) -> {rep['error_policy']:.4f}"]
+    up = [r for r in rep["layers"] if r["k"] != base or r["v"] != base]
     if up:
         lines.append("layer  K format   V format   K error base->chosen   V error base->chosen")
         for r in up:
-            lines.append(f"{r['layer']:5d}  {r['k']:9s}  {r['v']:9s}  {r['k_error'][names[0]]:.4f} -> "
-                         f"{r['k_error'][r['k']]:.4f}       {r['v_error'][names[0]]:.4f} -> {r['v_error'][r['v']]:.4f}")
+            lines.append(f"{r['layer']:5d}  {r['k']:9s}  {r['v']:9s}  {r['k_error'][base]:.4f} -> "
+                         f"{r['k_error'][r['k']]:.4f}       {r['v_error'][base]:.4f} -> {r['v_error'][r['v']]:.4f}")
     for f in rep.get("heldout_check", {}).get("folds", []):
         lines.append(f"held out {f['heldout']}: base {f['base']:.4f}, data-free same budget {f['uniform']:.4f}, "
                      f"policy chosen without it {f['policy']:.4f} (with it {f['policy_all_groups']:.4f})")

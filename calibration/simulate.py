@@ -105,8 +105,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     kr = rot.rotate_kv(key.transpose(1, 2), layer.k_transform, layer.k_mean).transpose(1, 2)  # [b, G, T, d]
     vr = rot.rotate_kv(value.transpose(1, 2), layer.v_rotation).transpose(1, 2)
     if st.quantize:
-        kq = fmt.fake_quantize(kr, lf.k.group, layer.k_clip.reshape(-1, 1, 1), bits=lf.k.bits)
-        vq = fmt.fake_quantize(vr, lf.v.group, layer.v_clip.reshape(-1, 1, 1), bits=lf.v.bits)
+        kq = lf.k.fake_quantize(kr, layer.k_clip.reshape(-1, 1, 1))
+        vq = lf.v.fake_quantize(vr, layer.v_clip.reshape(-1, 1, 1))
     else:
         kq, vq = kr, vr
     q_pos = torch.arange(t - s, t, device=query.device)

@@ -91,7 +91,8 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
     int2, int4, int8 = fmt.RowFormat(2), fmt.RowFormat(4), fmt.RowFormat(8)
     for d, kf, vf, gqa in ((128, int2, int2, 4), (128, fmt.RowFormat(2, 32), fmt.RowFormat(2, 32), 3),
                            (64, int2, int2, 8), (64, fmt.RowFormat(2, 32), fmt.RowFormat(2, 32), 1),
-                           (128, int4, int2, 4), (64, int8, fmt.RowFormat(4, 16), 4)):
+                           (128, int4, int2, 4), (64, int8, fmt.RowFormat(4, 16), 4),
+                           (128, fmt.RowFormat(2, symmetric=True), fmt.RowFormat(4, 32, True), 4)):
         kv = 2
         paged = scenario.paged_layout([5, 40], 16)
         rot = scenario.random_rotation(kv, d)

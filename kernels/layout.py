@@ -13,6 +13,10 @@ read off the tensor shapes (:attr:`LayerStore.k_format`, :attr:`LayerStore.v_for
     v_codes           uint8 [num_slots, kv_heads, d * b_V // 8]
     v_scale, v_zero   fp16  [num_slots, kv_heads, d // G_V]
 
+Symmetric rows (``RowFormat(..., symmetric=True)``) store no zero: their
+``k_zero``/``v_zero`` are ``[num_slots, kv_heads, 0]`` (that empty last
+dimension is how a store says its rows are symmetric).
+
 The references take any such format; the Triton kernels need a power-of-two
 ``d >= 64`` and groups ``G >= 4`` (:func:`triton_unsupported`).
 
@@ -70,11 +74,18 @@ class LayerStore:
 
     @property
     def k_format(self) -> fmt.RowFormat:
-        return _format_of(self.k_codes, self.k_scale, self.head_dim, "k")
+        return _format_of(self.k_codes, self.k_scale, self.k_zero, self.head_dim, "k")
 
     @property
     def v_format(self) -> fmt.RowFormat:
-        return _format_of(self.v_codes, self.v_scale, self.head_dim, "v")
+        return _format_of(self.v_codes, self.v_scale, self.v_zero, self.head_dim, "v")
+
+    def row_args(self) -> tuple[torch.Tensor, ...]:
+        """``k_codes, k_scale, k_zero, v_codes, v_scale, v_zero`` as the kernels take them: a symmetric side's
+        (empty) zero is replaced by its scale, a valid pointer the kernel never reads."""
+        kz = self.k_scale if self.k_zero.shape[-1] == 0 else self.k_zero
+        vz = self.v_scale if self.v_zero.shape[-1] == 0 else self.v_zero
+        return self.k_codes, self.k_scale, kz, self.v_codes, self.v_scale, vz
 
     def clone(self) -> "LayerStore":
         """A deep copy (tests and benchmarks)."""
@@ -87,8 +98,8 @@ class LayerStore:
         kg, vg = d // kf.group, d // vf.group
         want = {
             "k_codes": ((n, h, d * kf.bits // 8), torch.uint8), "v_codes": ((n, h, d * vf.bits // 8), torch.uint8),
-            "k_scale": ((n, h, kg), torch.float16), "k_zero": ((n, h, kg), torch.float16),
-            "v_scale": ((n, h, vg), torch.float16), "v_zero": ((n, h, vg), torch.float16),
+            "k_scale": ((n, h, kg), torch.float16), "k_zero": ((n, h, 0 if kf.symmetric else kg), torch.float16),
+            "v_scale": ((n, h, vg), torch.float16), "v_zero": ((n, h, 0 if vf.symmetric else vg), torch.float16),
             "hot_index": ((n,), torch.int32),
         }
         for name, (shape, dtype) in want.items():
@@ -159,13 +170,15 @@ def triton_unsupported(head_dim: int, *formats: fmt.RowFormat | int | None) -> s
     return None
 
 
-def _format_of(codes: torch.Tensor, scale: torch.Tensor, d: int, which: str) -> fmt.RowFormat:
+def _format_of(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, d: int, which: str) -> fmt.RowFormat:
     width, ng = codes.shape[-1], scale.shape[-1]
     if d <= 0 or (8 * width) % d or (8 * width) // d not in fmt.BITS:
         raise ValueError(f"{which}_codes rows of {width} bytes do not hold {d} codes of {fmt.BITS} bits")
     if ng == 0 or d % ng:
         raise ValueError(f"{which}_scale has {ng} groups per row, which does not divide head_dim {d}")
-    return fmt.RowFormat(8 * width // d, d // ng).resolved(d)
+    if zero.shape[-1] not in (0, ng):
+        raise ValueError(f"{which}_zero has {zero.shape[-1]} groups per row: {ng} (as the scale) or 0 (symmetric)")
+    return fmt.RowFormat(8 * width // d, d // ng, zero.shape[-1] == 0).resolved(d)
 
 
 def _expect(name: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
@@ -179,7 +192,8 @@ def row_tensors(num_slots: int, kv_heads: int, head_dim: int, form: fmt.RowForma
     f = form.resolved(head_dim)
     n, h, d = num_slots, kv_heads, head_dim
     codes = torch.zeros(n, h, d * f.bits // 8, dtype=torch.uint8, device=device)
-    scale, zero = (torch.zeros(n, h, d // f.group, dtype=torch.float16, device=device) for _ in range(2))
+    scale = torch.zeros(n, h, d // f.group, dtype=torch.float16, device=device)
+    zero = torch.zeros(n, h, 0 if f.symmetric else d // f.group, dtype=torch.float16, device=device)
     return codes, scale, zero
 
 

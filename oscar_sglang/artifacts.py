@@ -361,7 +361,8 @@ def _read_manifest(path: Path) -> dict:
 
 
 def _read_layer_formats(path: Path, manifest: dict) -> list[LayerFormat]:
-    """Version 2's ``layer_formats``: one ``{"k": {"bits", "group"}, "v": ...}`` per layer, bounded and checked."""
+    """Version 2's ``layer_formats``: one ``{"k": {"bits", "group"[, "symmetric"]}, "v": ...}`` per layer, bounded
+    and checked."""
     entries = manifest.get("layer_formats")
     layers, d = manifest["model"]["num_layers"], manifest["model"]["head_dim"]
     if not isinstance(entries, list) or len(entries) != layers:
@@ -373,11 +374,14 @@ def _read_layer_formats(path: Path, manifest: dict) -> list[LayerFormat]:
         for side in ("k", "v"):
             f = e.get(side) if isinstance(e, dict) else None
             bits, group = (f.get("bits"), f.get("group")) if isinstance(f, dict) else (None, None)
-            if type(bits) is not int or bits not in BITS or type(group) is not int or not 0 < group <= d:
+            sym = f.get("symmetric", False) if isinstance(f, dict) else False
+            if (type(bits) is not int or bits not in BITS or type(group) is not int or not 0 < group <= d
+                    or type(sym) is not bool or set(f) - {"bits", "group", "symmetric"}):
                 raise ArtifactError(f"{path}: layer_formats[{i}].{side} must be {{\"bits\": one of {list(BITS)}, "
-                                    f"\"group\": an integer in [1, {d}]}}, got {f!r}")
+                                    f"\"group\": an integer in [1, {d}], optional \"symmetric\": true/false}}, "
+                                    f"got {f!r}")
             try:
-                sides.append(RowFormat(bits, group).resolved(d))
+                sides.append(RowFormat(bits, group, sym).resolved(d))
             except ValueError as err:
                 raise ArtifactError(f"{path}: layer_formats[{i}].{side}: {err}") from None
         out.append(LayerFormat(*sides))

@@ -53,6 +53,7 @@ from oscar_sglang.sglang.metrics import log_lines  # the hot pool's log line, pa
 ROOT = Path(__file__).resolve().parents[1]
 NOISE = 0.4
 PROBE_TOKENS = 12
+LONG_KINDS = ("generate", "generate_stream", "completions")   # kinds whose requests may get a long output
 KINDS = ("generate", "generate_stream", "completions", "chat_stream", "disconnect", "abort")
 BAD = ("invalid_json", "negative_max_tokens", "huge_max_tokens", "empty_prompt", "unknown_model", "too_long")
 
@@ -263,8 +264,27 @@ def flush(url: str, attempts: int = 120) -> bool:
 # The soak
 
 
+def traffic_plan(work: Workload, rng: random.Random, requests: int, long_output_tokens: int = 0,
+                 long_output_share: float = 0.1) -> list[tuple]:
+    """``requests`` items ``(group, kind, prompt, max_new_tokens)``, every kind and bad input at least once, shuffled."""
+    plan = [("ok", k, work.prompt(), 8) for k in KINDS] + [("bad", b, None, 0) for b in BAD]   # each kind once
+    plan = plan[:requests]
+    for _ in range(requests - len(plan)):
+        if rng.random() < 0.08:
+            plan.append(("bad", rng.choice(BAD), None, 0))
+        else:
+            kind = rng.choices(KINDS, weights=(4, 2, 3, 2, 1, 1))[0]
+            n = rng.choice([1, 4, 8, 16, 32])
+            if long_output_tokens > 32 and kind in LONG_KINDS and rng.random() < long_output_share:
+                n = rng.randint(long_output_tokens // 2, long_output_tokens)     # decode outgrows the admission
+            plan.append(("ok", kind, work.prompt(), n))
+    rng.shuffle(plan)
+    return plan
+
+
 def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tokens: int, max_minutes: float,
-         seed: int, sink: int, recent: int, context_len: int, progress: bool = True) -> dict:
+         seed: int, sink: int, recent: int, context_len: int, long_output_tokens: int = 0,
+         long_output_share: float = 0.1, progress: bool = True) -> dict:
     """Run the soak against a running server (its log at ``log``); returns the report (``report["ok"]``)."""
     from tqdm.auto import tqdm
 
@@ -277,15 +297,7 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
         flush(url)
         before.append(probe(url, p))
 
-    plan = [("ok", k, work.prompt(), 8) for k in KINDS] + [("bad", b, None, 0) for b in BAD]   # each kind once
-    plan = plan[:requests]
-    for i in range(requests - len(plan)):
-        if rng.random() < 0.08:
-            plan.append(("bad", rng.choice(BAD), None, 0))
-        else:
-            kind = rng.choices(KINDS, weights=(4, 2, 3, 2, 1, 1))[0]
-            plan.append(("ok", kind, work.prompt(), rng.choice([1, 4, 8, 16, 32])))
-    rng.shuffle(plan)
+    plan = traffic_plan(work, rng, requests, long_output_tokens, long_output_share)
     deadline = time.monotonic() + 60 * max_minutes
     results, flushes = [], Counter()
     stop = threading.Event()
@@ -339,7 +351,10 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
     report = {
         "date": datetime.date.today().isoformat(), "requests": len(plan), "ran": len(ran),
         "skipped_for_time": len(results) - len(ran), "concurrency": concurrency,
-        "max_prompt_tokens": max_prompt_tokens, "traffic_seconds": round(traffic_s, 1),
+        "max_prompt_tokens": max_prompt_tokens, "long_output_tokens": long_output_tokens,
+        "long_outputs": sum(1 for g, _, _, n in plan if g == "ok" and n > 32),
+        "output_tokens": sum(r.get("tokens", 0) for r in results if not r.get("skipped")),
+        "traffic_seconds": round(traffic_s, 1),
         "by_kind": dict(Counter(r["kind"] for r in ran)),
         "status": {str(k): v for k, v in Counter(r.get("status") for r in ran).items()},
         "errors_5xx_or_dropped": len(five), "unfinished": len(unfinished), "aborts_not_honoured": len(aborted_wrong),
@@ -382,7 +397,8 @@ def write_report(report: dict, command: str, out: Path) -> None:
         f"SmolLM2-135M-Instruct on the SGLang CPU engine, loopback only. {report['ran']} requests "
         f"({report['skipped_for_time']} skipped for the time bound), {report['concurrency']} client threads, "
         f"prompts of real text up to {report['max_prompt_tokens']} tokens behind 3 shared prefixes; "
-        f"{report['traffic_seconds']} s of traffic.", "",
+        f"{report.get('long_outputs', 0)} requests with long outputs (up to {report.get('long_output_tokens', 0)} "
+        f"tokens), {report.get('output_tokens', 0)} tokens generated; {report['traffic_seconds']} s of traffic.", "",
         "| check | result |", "|---|---|",
         f"| 5xx or dropped connections | **{report['errors_5xx_or_dropped']}** |",
         f"| accepted requests that did not finish | **{report['unfinished']}** |",
@@ -422,9 +438,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="the server's KV pool in tokens (default max(16384, 4 x context)); small values put it under "
                         "memory pressure, so SGLang retracts running requests and resumes them")
+    p.add_argument("--long-output-tokens", type=int, default=0,
+                   help="a share of the requests (--long-output-share) asks for N/2..N new tokens (greedy, no EOS): "
+                        "their decode outgrows what SGLang reserved at admission, so a small --max-total-tokens "
+                        "makes it retract running requests (0: outputs of 1-32 tokens only)")
+    p.add_argument("--long-output-share", type=float, default=0.1)
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.long_output_tokens and not 32 < args.long_output_tokens < args.context_length:
+        p.error(f"--long-output-tokens must be above 32 and below --context-length ({args.context_length})")
+    if not 0.0 <= args.long_output_share <= 1.0:
+        p.error("--long-output-share is a fraction in [0, 1]")
 
     from transformers import AutoConfig
 
@@ -444,7 +469,9 @@ def main(argv=None) -> int:
     with local_server(model, log, *flags) as url:
         report = soak(url, log, requests=args.requests, concurrency=args.concurrency,
                       max_prompt_tokens=args.max_prompt_tokens, max_minutes=args.max_minutes, seed=args.seed,
-                      sink=args.sink, recent=args.recent, context_len=args.context_length, progress=not args.quiet)
+                      sink=args.sink, recent=args.recent, context_len=args.context_length,
+                      long_output_tokens=args.long_output_tokens, long_output_share=args.long_output_share,
+                      progress=not args.quiet)
     command = "python scripts/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
     write_report(report, command.strip(), args.out)
     print(json.dumps({k: report[k] for k in ("ok", "ran", "errors_5xx_or_dropped", "unfinished",

@@ -24,11 +24,12 @@ from oscar_sglang.format import RowFormat
 
 
 def parse_format(name: str) -> RowFormat:
-    m = re.fullmatch(r"int(\d+)(?:/g(\d+))?", name.strip().lower())
+    m = re.fullmatch(r"int(\d+)(sym)?(?:/g(\d+))?", name.strip().lower())
     if not m:
-        raise argparse.ArgumentTypeError(f"expected a row format like int2, int4, int8 or int2/g32, got {name!r}")
+        raise argparse.ArgumentTypeError(f"expected a row format like int2, int4, int8, int2/g32 or int2sym (scale "
+                                         f"only), got {name!r}")
     try:
-        return RowFormat(int(m.group(1)), int(m.group(2)) if m.group(2) else None)
+        return RowFormat(int(m.group(1)), int(m.group(3)) if m.group(3) else None, m.group(2) is not None)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -301,6 +301,21 @@ def test_layer_formats_round_trip_and_accounting(tmp_path):
     assert b.policy_summary() == "int2/g16 (1 K, 1 V), int2/g8 (1 V), int4 (1 K), int4/g16 (1 V), int8 (1 K)"
 
 
+def test_symmetric_rows_round_trip_and_cost_a_scale_only(tmp_path):
+    from oscar_sglang.format import RowFormat
+    fs = [art.LayerFormat(RowFormat(2, 32, True), RowFormat(2, 32)), art.LayerFormat(RowFormat(4, symmetric=True),
+                                                                                      RowFormat(2, 16)),
+          art.LayerFormat(RowFormat(2, 32), RowFormat(2, 32, True))]
+    a = _random_artifact().with_formats(fs)
+    art.save(a, tmp_path / "rot")
+    b = art.load(tmp_path / "rot", expect=FP)
+    assert [(f.k.symmetric, f.v.symmetric) for f in b.layer_formats] == [(True, False), (True, False), (False, True)]
+    # d 32: a symmetric row stores 2 bytes per group, a stored-zero row 4
+    rows = [(8 + 2, 8 + 4), (16 + 2, 8 + 8), (8 + 4, 8 + 2)]
+    assert b.bytes_per_token() == 2 * sum(k + v for k, v in rows)
+    assert "int2sym" in b.policy_summary() and "int4sym" in b.policy_summary()
+
+
 def test_version_1_artifacts_load_as_int2_everywhere(saved):
     def v1(m):
         m["format_version"] = 1
@@ -319,6 +334,8 @@ def test_version_1_artifacts_load_as_int2_everywhere(saved):
     ({"k": {"bits": 2, "group": 10**9}, "v": {"bits": 2, "group": 16}}, r"layer_formats\[1\]\.k must be"),
     ({"k": {"bits": "4", "group": 16}, "v": {"bits": 2, "group": 16}}, r"layer_formats\[1\]\.k must be"),
     ("int4", r"layer_formats\[1\]\.k must be"),
+    ({"k": {"bits": 2, "group": 16, "symmetric": 1}, "v": {"bits": 2, "group": 16}}, r"layer_formats\[1\]\.k must"),
+    ({"k": {"bits": 2, "group": 16, "zero": False}, "v": {"bits": 2, "group": 16}}, r"layer_formats\[1\]\.k must"),
 ])
 def test_bad_layer_formats_are_refused(saved, no_tensor_load, entry, match):
     _rewrite_manifest(saved, lambda m: m["layer_formats"].__setitem__(1, entry))

@@ -201,3 +201,54 @@ def test_row_format_accounting_and_names():
         fmt.RowFormat(3)
     with pytest.raises(ValueError, match="divide"):
         fmt.RowFormat(2, 48).resolved(64)
+
+
+def _reference_symmetric(x, group, clip=None, bits=2):
+    """Scalar restatement of symmetric rows: clip about 0, scale = fp16(2a / L), zero = -(L/2) scale."""
+    top = 2 ** bits - 1
+    d = x.shape[-1]
+    rows = x.reshape(-1, d).double()
+    out = torch.empty_like(rows)
+    for i, row in enumerate(rows):
+        for gi in range(d // group):
+            g = row[gi * group:(gi + 1) * group]
+            a = g.abs().max().item() * (1.0 if clip is None else clip)
+            scale = torch.tensor(2 * a / top, dtype=torch.float32).half().double().item()
+            zero = -top / 2 * scale
+            c = torch.zeros_like(g) if scale == 0 else torch.round((g - zero) / scale).clamp(0, top)
+            out[i, gi * group:(gi + 1) * group] = zero + c * scale
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("group,clip", [(None, None), (32, None), (16, 0.7)])
+def test_symmetric_rows_match_the_scalar_definition(bits, group, clip):
+    torch.manual_seed(10 + bits)
+    x = torch.randn(5, 3, 64) * torch.linspace(0.2, 3, 64)
+    x[1, 2, 9] = 30.0
+    f = fmt.RowFormat(bits, group, symmetric=True)
+    q = f.quantize(x, clip)
+    g = group or 64
+    assert q.symmetric and q.zero is None and q.scale.shape == (5, 3, 64 // g)
+    assert torch.allclose(fmt.dequantize(q).double(), _reference_symmetric(x, g, clip, bits), atol=1e-6)
+    assert torch.equal(f.fake_quantize(x, clip), fmt.dequantize(q))
+    # the grid is symmetric about 0: codes c and L - c dequantize to opposite values
+    top = 2 ** bits - 1
+    assert torch.equal(q.zero_f32() + top * q.scale.float(), -q.zero_f32())
+
+
+def test_symmetric_rows_cost_16_bits_less_per_group_and_suit_centered_rows():
+    sym, asym = fmt.RowFormat(2, symmetric=True), fmt.RowFormat(2)
+    assert sym.bits_per_element(64) == 2.25 and sym.bytes_per_row(64) == 16 + 2
+    assert fmt.RowFormat(4, 32, symmetric=True).bytes_per_row(64) == 32 + 4
+    assert sym.name(64) == "int2sym" and fmt.RowFormat(2, 16, True).name(64) == "int2sym/g16"
+    assert sym.to_json() == {"bits": 2, "group": None, "symmetric": True} and "symmetric" not in asym.to_json()
+    assert sym != asym and sym.resolved(64).symmetric
+    with pytest.raises(ValueError, match="symmetric"):
+        fmt.RowFormat(2, symmetric=1)
+    torch.manual_seed(0)
+    x = torch.randn(4096, 64)
+    e = lambda f, y: (f.fake_quantize(y) - y).square().mean().item()  # noqa: E731
+    assert e(sym, x) < 1.35 * e(asym, x)                 # centered: close to the stored-zero rows
+    assert e(sym, x + 3.0) > 3 * e(asym, x + 3.0)        # offset rows waste the symmetric grid
+    assert torch.equal(sym.fake_quantize(torch.zeros(2, 64)), torch.zeros(2, 64))

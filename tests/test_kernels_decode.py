@@ -26,7 +26,8 @@ ATOL = RTOL = 1e-4 if DEVICE == "cpu" else 1e-2  # the GPU's dots are TF32
 F = fmt.RowFormat
 # (keys, values) per case, rotating; groups None = d, so "64" is d for d = 64
 FORMATS = [(F(2), F(2)), (F(2, 64), F(2, 64)), (F(2, 32), F(2, 32)),
-           (F(4), F(2)), (F(2, 16), F(4, 32)), (F(8), F(8)), (F(8), F(2, 32))]
+           (F(4), F(2)), (F(2, 16), F(4, 32)), (F(8), F(8)), (F(8), F(2, 32)),
+           (F(2, symmetric=True), F(2)), (F(4, symmetric=True), F(2, 32, True))]  # symmetric rows
 
 
 def build(lens, d, group, page, hot, seed, sink=2, recent=4, formats=None):

@@ -30,7 +30,8 @@ MAX_CODE_MISMATCH = 1e-3
 F = fmt.RowFormat
 INT2 = F(2)
 # (keys, values): the format pairs beyond INT2 g=d that every kernel is checked on
-MIXED = [(F(4), F(2)), (F(2, 16), F(4, 32)), (F(8), F(8)), (F(8), F(2, 32))]
+MIXED = [(F(4), F(2)), (F(2, 16), F(4, 32)), (F(8), F(8)), (F(8), F(2, 32)),
+         (F(2, symmetric=True), F(2)), (F(4, symmetric=True), F(2, 32, True))]  # symmetric: no zero
 
 
 def _store(d, g, hot_entries, seed, num_slots=96, kf=None, vf=None):
@@ -134,9 +135,12 @@ def test_reference_writes_each_side_in_its_format(kf, vf):
     reference.write_kv(k, v, slots, s, rot)
     for x, clip, form, side in ((rotate_kv(k, rot.k_rot, rot.k_mean), rot.k_clip, kf, "k"),
                                 (rotate_kv(v, rot.v_rot), rot.v_clip, vf, "v")):
-        want = fmt.quantize(x, form.group, clip.unsqueeze(-1), bits=form.bits)
-        assert want.codes.shape[-1] == d * form.bits // 8
+        want = form.quantize(x, clip.unsqueeze(-1))
+        assert want.codes.shape[-1] == d * form.bits // 8 and want.symmetric == form.symmetric
+        assert getattr(s, f"{side}_zero").shape[-1] == (0 if form.symmetric else d // form.group_for(d))
         for name, t in (("codes", want.codes), ("scale", want.scale), ("zero", want.zero)):
+            if t is None:
+                continue
             got = getattr(s, f"{side}_{name}")
             assert torch.equal(got[slots], t), (side, name)
             untouched = torch.ones(s.num_slots, dtype=torch.bool)
@@ -234,6 +238,16 @@ def test_layout_checks_name_the_offending_tensor():
     strided = layout.DeviceRotation(rot.k_rot.transpose(1, 2), rot.v_rot, rot.k_mean, rot.k_clip, rot.v_clip)
     with pytest.raises(ValueError, match="k_rot must be contiguous"):
         layout.require_contiguous(s, strided)
+    # symmetric rows: an empty zero says so; a zero of another width is refused by name
+    sym = layout.empty_store(8, KV, 64, None, 2, k_format=F(2, symmetric=True), v_format=F(4, 32))
+    sym.check()
+    assert sym.k_format == F(2, 64, True) and sym.v_format == F(4, 32) and sym.k_zero.shape == (8, KV, 0)
+    args = sym.row_args()
+    assert args[2] is sym.k_scale and args[5] is sym.v_zero       # the kernels get a valid pointer it never reads
+    odd = layout.LayerStore(**{**{f: getattr(sym, f) for f in sym.__dataclass_fields__},
+                               "k_zero": torch.zeros(8, KV, 3, dtype=torch.float16)})
+    with pytest.raises(ValueError, match="k_zero has 3 groups"):
+        odd.check()
 
 
 def test_triton_unsupported_names_the_format():

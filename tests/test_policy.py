@@ -27,6 +27,14 @@ def test_candidate_formats_per_head_dim():
     assert all(f.bits_per_element(64) > 3.0 for f in policy.candidate_formats(64, RowFormat(2, 32))[1:])
 
 
+def test_symmetric_options_come_in_below_and_beside_the_base():
+    forms = policy.candidate_formats(64, symmetric=True)
+    assert [f.name(64) for f in forms] == ["int2sym", "int2", "int2/g32", "int2/g16", "int4sym", "int4", "int4/g32",
+                                           "int8"]
+    assert [f.bits_per_element(64) for f in forms][:2] == [2.25, 2.5]
+    assert policy.candidate_formats(64) == [f for f in forms if not f.symmetric]
+
+
 def _costs(err, bits):
     """OptionCosts from ``err [layers, 2, options]`` (one group) and bits per option."""
     err = torch.as_tensor(err, dtype=torch.float64).unsqueeze(-1)
@@ -179,6 +187,18 @@ def test_policy_step_on_a_tiny_model_writes_a_v2_artifact_with_lower_errors(tiny
     with pytest.raises(ValueError, match="below the cheapest format"):
         cal.calibrate(tiny, seqs, cal.CalibrationConfig(method="hadamard", sink=4, recent=8, bits=3.0),
                       progress=False)
+    # with symmetric rows (3 bits per element at d 16) the policy may go below INT2's 4 bits, and serves what it says
+    cfg_s = cal.CalibrationConfig(method="hadamard-center", sink=4, recent=8, keep_sequences=4, clip_queries=32,
+                                  decision_queries=32, bits=3.5, symmetric_rows=True)
+    s_art, _ = cal.calibrate(tiny, seqs, cfg_s, progress=False)
+    rep_s = s_art.calibration["policy"]
+    assert rep_s["base"] == "int2" and rep_s["options"]["int2sym"] == 3.0
+    assert 3.0 <= s_art.bits_per_element <= 3.5 and any(f.k.symmetric or f.v.symmetric for f in s_art.layer_formats)
+    art.save(s_art, tmp_path / "sym")
+    s_back = art.load(tmp_path / "sym")
+    assert s_back.layer_formats == s_art.layer_formats
+    sym_only = s_art.with_formats([art.LayerFormat(RowFormat(2, 16, True), RowFormat(2, 16, True))] * 2)
+    assert sum(evaluate.layer_errors(tiny, evals, s_back)) < sum(evaluate.layer_errors(tiny, evals, sym_only))
 
 
 def test_fixed_query_positions_replace_only_the_samples_they_are_given_for():

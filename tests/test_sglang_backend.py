@@ -41,6 +41,8 @@ FP = art.ModelFingerprint(architecture="LlamaForCausalLM", num_layers=LAYERS, hi
 
 
 MIXED = [art.LayerFormat(RowFormat(4), RowFormat(2, 16)), art.LayerFormat(RowFormat(2, 32), RowFormat(8))]
+SYMMETRIC = [art.LayerFormat(RowFormat(2, symmetric=True), RowFormat(4, 32, True)),
+             art.LayerFormat(RowFormat(4, symmetric=True), RowFormat(2))]
 
 
 def _artifacts(seed: int = 1, formats=None):
@@ -180,7 +182,7 @@ def _run(kernel_backend, seed=0, formats=None):
     return outputs, dense, backend
 
 
-@pytest.mark.parametrize("formats", [None, MIXED], ids=["int2", "mixed-formats"])
+@pytest.mark.parametrize("formats", [None, MIXED, SYMMETRIC], ids=["int2", "mixed-formats", "symmetric-rows"])
 def test_backend_triton_and_torch_paths_agree_with_dense_attention(formats):
     torch_out, torch_dense, tb = _run("torch", formats=formats)
     triton_out, triton_dense, rb = _run("triton", formats=formats)

@@ -62,3 +62,17 @@ def test_memory_pressure_is_read_from_the_server_log(tmp_path):
     assert got["retractions"] == {"events": 2, "requests": 4}          # the test switch's retractions do not count
     assert got["hot_pool_during"] == {"lines": 2, "max_in_window": 60, "entries": 800, "in_window_evictions": 2,
                                       "denied_window_tokens": 5}
+
+
+def test_long_outputs_are_a_share_of_the_finishing_kinds():
+    import random
+
+    work = soak.Workload(0, 300)
+    plain = soak.traffic_plan(work, random.Random(3), 400)
+    assert max(n for g, _, _, n in plain if g == "ok") <= 32
+    plan = soak.traffic_plan(soak.Workload(0, 300), random.Random(3), 400, long_output_tokens=512, long_output_share=0.2)
+    assert len(plan) == 400 and {k for g, k, _, _ in plan if g == "bad"} == set(soak.BAD)
+    long = [(k, n) for g, k, _, n in plan if g == "ok" and n > 32]
+    assert all(k in soak.LONG_KINDS and 256 <= n <= 512 for k, n in long)
+    finishing = sum(1 for g, k, _, _ in plan if g == "ok" and k in soak.LONG_KINDS)
+    assert 0.1 < len(long) / finishing < 0.3                       # ~20 % of the requests that can run long

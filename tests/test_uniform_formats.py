@@ -43,3 +43,9 @@ def test_bad_format_names_are_refused(tmp_path, capsys):
         uf.main(["--from", str(tmp_path), "--k", "fp8", "--v", "int2", "--out", str(tmp_path / "o")])
     assert "expected a row format" in capsys.readouterr().err
     assert uf.main(["--from", str(tmp_path / "missing"), "--k", "int4", "--v", "int2", "--out", str(tmp_path / "o")]) == 2
+
+
+def test_format_names_are_the_formats_own():
+    for f in (RowFormat(2, 64), RowFormat(4, 32), RowFormat(2, 64, True), RowFormat(8, 16, True)):
+        assert uf.parse_format(f.name(64)).resolved(64) == f
+    assert uf.parse_format("int2sym") == RowFormat(2, None, True)

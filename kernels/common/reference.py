@@ -14,10 +14,11 @@ def read_rotated(store: LayerStore, slots: torch.Tensor) -> tuple[torch.Tensor, 
     """Rotated rows ``k', v'`` fp32 ``[n, kv_heads, d]`` at ``slots``: BF16 where hot, dequantized elsewhere
     (keys in ``store.k_format``, values in ``store.v_format``)."""
     slots = slots.long()
-    k = fmt.dequantize(fmt.QuantRows(store.k_codes[slots], store.k_scale[slots], store.k_zero[slots],
-                                     store.k_format.bits))
-    v = fmt.dequantize(fmt.QuantRows(store.v_codes[slots], store.v_scale[slots], store.v_zero[slots],
-                                     store.v_format.bits))
+    kf, vf = store.k_format, store.v_format
+    k = fmt.dequantize(fmt.QuantRows(store.k_codes[slots], store.k_scale[slots],
+                                     None if kf.symmetric else store.k_zero[slots], kf.bits))
+    v = fmt.dequantize(fmt.QuantRows(store.v_codes[slots], store.v_scale[slots],
+                                     None if vf.symmetric else store.v_zero[slots], vf.bits))
     entry = store.hot_index[slots].long()
     hot = entry >= 0
     if bool(hot.any()):

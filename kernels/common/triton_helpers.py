@@ -15,7 +15,8 @@ So every format is unpacked with one load per word and shifts only (no
 reshapes, no repeated loads); INT2 keeps its single byte load.  Dot products
 and outputs are summed / stored piece by piece, the same math in another
 order.  Keys and values each have their own ``BITS`` and group ``G``
-(``G`` a multiple of 4, so a word never straddles two groups).
+(``G`` a multiple of 4, so a word never straddles two groups), and may be
+symmetric rows (``SYM``: no stored zero).
 """
 
 import triton
@@ -69,8 +70,10 @@ def code_word_ptr(codes_ptr, BITS: tl.constexpr):
 
 @triton.jit
 def load_rows(codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, cold, hot,
-              D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+              D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr):
     """Rotated rows as four fp32 pieces ``[BLOCK_N, D // 4]``: BF16 where ``hot``, ``BITS``-bit codes where ``cold``.
+
+    ``SYM``: symmetric rows, no stored zero (``zero_ptr`` unused): ``zero = -(L / 2) * scale``, exact in fp32.
 
     ``row = slot * kv_heads + head`` and ``hot_row = entry * kv_heads + head`` (int64);
     rows in neither mask read as 0.
@@ -84,7 +87,10 @@ def load_rows(codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, cold, hot,
     else:
         word = word.to(tl.int32)
     scale = load_piece_scale(scale_ptr, row, cold, D, G)
-    zero = load_piece_scale(zero_ptr, row, cold, D, G)
+    if SYM:
+        zero = scale * (-0.5 * MASK)
+    else:
+        zero = load_piece_scale(zero_ptr, row, cold, D, G)
     hp = hot_ptr + hot_row[:, None] * D + 4 * i[None, :]
     hm = hot[:, None]
     h0 = tl.load(hp + 0, mask=hm, other=0.0).to(tl.float32)
@@ -153,17 +159,17 @@ def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
                         k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
                         q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
                         D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
-                        V_G: tl.constexpr, PREC: tl.constexpr):
+                        V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr):
     """One online-softmax step over stored tokens ``t`` of a request (``tok_row_ptr`` = its
     ``req_to_token`` row): slot lookup, BF16 where the slot has a hot entry, quantized rows elsewhere
-    (keys ``K_BITS`` bits in groups of ``K_G``, values ``V_BITS`` / ``V_G``)."""
+    (keys ``K_BITS`` bits in groups of ``K_G``, values ``V_BITS`` / ``V_G``; ``K_SYM``/``V_SYM``: symmetric rows)."""
     slot = tl.load(tok_row_ptr + t, mask=tmask, other=0).to(tl.int64)
     entry = tl.load(hot_index + slot, mask=tmask, other=-1).to(tl.int64)
     cold = tmask & (entry < 0)
     hot = tmask & (entry >= 0)
     row = slot * KV + kvh
     hot_row = entry * KV + kvh
-    k0, k1, k2, k3 = load_rows(k_codes, k_scale, k_zero, k_hot, row, hot_row, cold, hot, D, K_G, K_BITS)
-    v0, v1, v2, v3 = load_rows(v_codes, v_scale, v_zero, v_hot, row, hot_row, cold, hot, D, V_G, V_BITS)
+    k0, k1, k2, k3 = load_rows(k_codes, k_scale, k_zero, k_hot, row, hot_row, cold, hot, D, K_G, K_BITS, K_SYM)
+    v0, v1, v2, v3 = load_rows(v_codes, v_scale, v_zero, v_hot, row, hot_row, cold, hot, D, V_G, V_BITS, V_SYM)
     return attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
                         tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)

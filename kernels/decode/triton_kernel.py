@@ -37,7 +37,7 @@ def _decode_split_kernel(q_ptr, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
                          stride_qb, stride_qh, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
                          GQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
-                         V_G: tl.constexpr, PREC: tl.constexpr):
+                         V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -63,7 +63,7 @@ def _decode_split_kernel(q_ptr, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
         m, l, a0, a1, a2, a3 = attend_stored_block(
             t, tmask, req_to_token + req * stride_r2t, hot_index, kvh, KV,
             k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
-            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC)
+            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM, V_SYM)
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
     part = (b * Q_HEADS + qh).to(tl.int64) * NUM_SPLITS + sp
@@ -130,11 +130,12 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     mid_o = torch.empty(bsz, q_heads, splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(bsz, q_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, kv, splits)](
-        qr, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
+        qr, *store.row_args(),
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         qr.stride(0), qr.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
         GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
         K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=DOT_PRECISION,
+        K_SYM=kf.symmetric, V_SYM=vf.symmetric,
         num_warps=num_warps, num_stages=num_stages,
     )
     return derotate_output(merge_splits(mid_o, mid_lse), rot.v_rot).to(q.dtype)

@@ -36,7 +36,8 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
                    mid_lse, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
                    GQ: tl.constexpr, GQP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
-                   V_G: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+                   V_G: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, K_SYM: tl.constexpr,
+                   V_SYM: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -71,7 +72,7 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
         m, l, a0, a1, a2, a3 = attend_stored_block(
             t, tmask, req_to_token + req * stride_r2t, hot_index, kvh, KV,
             k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
-            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC)
+            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM, V_SYM)
 
     # New tokens, exact, causal among themselves (in the last split).
     hi = tl.where(sp == NUM_SPLITS - 1, tl.minimum(ext_len, m0 + BLOCK_M), 0)
@@ -144,11 +145,12 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         out = torch.zeros(n, q_heads, d, dtype=torch.float32, device=q.device)
         mid_lse = out  # unused
     _extend_kernel[(blocks, batch, kv * splits)](
-        qr, kn, vn, out, store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
+        qr, kn, vn, out, *store.row_args(),
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, mid_lse, req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
         GQ=gq, GQP=gqp, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
-        K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=DOT_PRECISION, SPLIT=splits > 1,
+        K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=DOT_PRECISION,
+        K_SYM=kf.symmetric, V_SYM=vf.symmetric, SPLIT=splits > 1,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from oscar_sglang import format as fmt
 from oscar_sglang.rotation import rotate_kv
 
 from ..layout import DeviceRotation, LayerStore
@@ -27,10 +26,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
     for x, clip, form, codes, scale, zero in (
             (k_rot, rot.k_clip, store.k_format, store.k_codes, store.k_scale, store.k_zero),
             (v_rot, rot.v_clip, store.v_format, store.v_codes, store.v_scale, store.v_zero)):
-        q = fmt.quantize(x, form.group, clip.unsqueeze(-1), form.bits)
+        q = form.quantize(x, clip.unsqueeze(-1))
         codes[slots] = q.codes
         scale[slots] = q.scale
-        zero[slots] = q.zero
+        if q.zero is not None:  # symmetric rows store no zero
+            zero[slots] = q.zero
     if hot_loc is not None:
         hot = hot_loc >= 0
         entry = hot_loc[hot].long()

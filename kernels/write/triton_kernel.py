@@ -9,7 +9,8 @@ the BF16 rotated rows.  Nothing intermediate touches global memory.
 Keys and values each have their own format (constexprs ``K_BITS``/``K_G``,
 ``V_BITS``/``V_G``; bits in {2, 4, 8}): max code ``L = 2^BITS - 1``, ``fp16``
 scale ``= fp16(div_rn(hi - fp16(lo), L))``, round-half-even codes against the
-stored fp16 values, exactly as ``oscar_sglang.format.quantize``.  The four
+stored fp16 values, exactly as ``oscar_sglang.format.quantize`` (symmetric
+rows, ``K_SYM``/``V_SYM``: ``scale = fp16(2 r max|x| / L)``, no zero stored).  The four
 codes of elements ``4i .. 4i+3`` are packed into word ``i`` of the row (one
 byte for INT2, a little-endian uint16 for INT4, a uint32 for INT8; see
 ``common/triton_helpers.py``) and stored with one store per word.
@@ -65,9 +66,10 @@ def _masked_max(x, in_g):
 
 @triton.jit
 def _quantize_store(x0, x1, x2, x3, clip, codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, tmask, hmask,
-                    HAS_HOT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr):
+                    HAS_HOT: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                    SYM: tl.constexpr):
     """Store rotated rows (four pieces ``[BLOCK_T, D // 4]``) as ``BITS``-bit codes in groups of ``G`` at
-    ``row``, BF16 copies at ``hot_row``."""
+    ``row``, BF16 copies at ``hot_row``; ``SYM``: symmetric rows (scale only, ``zero_ptr`` unused)."""
     NG: tl.constexpr = D // G
     TOP: tl.constexpr = (1 << BITS) - 1
     i = tl.arange(0, D // 4)
@@ -89,20 +91,29 @@ def _quantize_store(x0, x1, x2, x3, clip, codes_ptr, scale_ptr, zero_ptr, hot_pt
                         tl.minimum(_masked_min(x2, in_g), _masked_min(x3, in_g)))
         hi = tl.maximum(tl.maximum(_masked_max(x0, in_g), _masked_max(x1, in_g)),
                         tl.maximum(_masked_max(x2, in_g), _masked_max(x3, in_g)))
-        # Clip about the midpoint, exactly as oscar_sglang.format.clip_groups.
-        mid = (hi + lo) * 0.5
-        half = (hi - lo) * 0.5 * clip
-        a = mid - half
-        b = mid + half
-        lo = tl.minimum(tl.maximum(lo, a), b)
-        hi = tl.minimum(tl.maximum(hi, a), b)
-        z16 = lo.to(tl.float16)
-        zf = z16.to(tl.float32)
-        s16 = tl.maximum(tl.math.div_rn(hi - zf, TOP * 1.0), 0.0).to(tl.float16)
-        sf = s16.to(tl.float32)
+        if SYM:
+            # Clip about 0 (largest magnitude times the ratio); codes beyond saturate: oscar_sglang.format.quantize.
+            mag = tl.maximum(-lo, hi) * clip
+            a = tl.full(mag.shape, float("-inf"), tl.float32)
+            b = tl.full(mag.shape, float("inf"), tl.float32)
+            s16 = (mag * (2.0 / TOP)).to(tl.float16)
+            sf = s16.to(tl.float32)
+            zf = sf * (-0.5 * TOP)
+        else:
+            # Clip about the midpoint, exactly as oscar_sglang.format.clip_groups.
+            mid = (hi + lo) * 0.5
+            half = (hi - lo) * 0.5 * clip
+            a = mid - half
+            b = mid + half
+            lo = tl.minimum(tl.maximum(lo, a), b)
+            hi = tl.minimum(tl.maximum(hi, a), b)
+            z16 = lo.to(tl.float16)
+            zf = z16.to(tl.float32)
+            s16 = tl.maximum(tl.math.div_rn(hi - zf, TOP * 1.0), 0.0).to(tl.float16)
+            sf = s16.to(tl.float32)
+            tl.store(zero_ptr + row * NG + gi, z16, mask=tmask)
         inv = tl.where(sf > 0, tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), tl.where(sf > 0, sf, 1.0)), 0.0)
         tl.store(scale_ptr + row * NG + gi, s16, mask=tmask)
-        tl.store(zero_ptr + row * NG + gi, z16, mask=tmask)
         a_col = tl.where(in_g, a[:, None], a_col)
         b_col = tl.where(in_g, b[:, None], b_col)
         z_col = tl.where(in_g, zf[:, None], z_col)
@@ -127,7 +138,7 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
                   n, KV, stride_kt, stride_kh, stride_vt, stride_vh,
                   HAS_HOT: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
                   K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr,
-                  KC: tl.constexpr):
+                  KC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -144,11 +155,11 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
     x0, x1, x2, x3 = _rotate(k_ptr + t64 * stride_kt + h * stride_kh, k_mean + h * D, k_rot + h * D * D, tmask,
                              True, BLOCK_T, D, KC)
     _quantize_store(x0, x1, x2, x3, tl.load(k_clip + h), k_codes, k_scale, k_zero, k_hot,
-                    row, hot_row, tmask, hmask, HAS_HOT, D, K_G, K_BITS)
+                    row, hot_row, tmask, hmask, HAS_HOT, D, K_G, K_BITS, K_SYM)
     x0, x1, x2, x3 = _rotate(v_ptr + t64 * stride_vt + h * stride_vh, k_mean, v_rot + h * D * D, tmask,
                              False, BLOCK_T, D, KC)
     _quantize_store(x0, x1, x2, x3, tl.load(v_clip + h), v_codes, v_scale, v_zero, v_hot,
-                    row, hot_row, tmask, hmask, HAS_HOT, D, V_G, V_BITS)
+                    row, hot_row, tmask, hmask, HAS_HOT, D, V_G, V_BITS, V_SYM)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: DeviceRotation,
@@ -167,9 +178,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
     _write_kernel[(triton.cdiv(n, block_t), kv)](
         k, v, slots, hot_loc if hot_loc is not None else slots,
         rot.k_rot, rot.v_rot, rot.k_mean, rot.k_clip, rot.v_clip,
-        store.k_codes, store.k_scale, store.k_zero, store.v_codes, store.v_scale, store.v_zero,
-        store.k_hot, store.v_hot,
+        *store.row_args(), store.k_hot, store.v_hot,
         n, kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HAS_HOT=hot_loc is not None, BLOCK_T=block_t, D=d, K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits,
-        V_G=vf.group, KC=32, num_warps=num_warps,
+        V_G=vf.group, KC=32, K_SYM=kf.symmetric, V_SYM=vf.symmetric, num_warps=num_warps,
     )
