@@ -35,7 +35,6 @@ import torch
 from tqdm.auto import tqdm
 
 from oscar_sglang import artifacts as art
-from oscar_sglang import format as fmt
 from oscar_sglang.format import RowFormat
 
 from .fit import CLIP_GRID, RotatedSample, clip_curves, fold_scores, query_positions, relative_by_group
