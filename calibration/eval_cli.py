@@ -169,6 +169,23 @@ def _policy_stats(args, lm, tok, texts, stats, cfg, progress):
     return policy_inputs(lm, stats, cfg, seqs["policy"], seqs["copy"], progress)
 
 
+def _policy_budgets(args, lm, pstats, base, cfg, progress, fixed):
+    """Yield ``(name, artifact, seconds)`` for each ``--policy-bits`` budget applied to the ``base`` artifact.
+    Budgets with the same symmetric-rows flag share one measurement of the options' costs; ``cfg`` is left as it
+    was found (no budget, stored zeros)."""
+    costs = {}
+    try:
+        for b, sym in args.policy_bits:
+            t = time.time()
+            cfg.bits, cfg.symmetric_rows = b, sym
+            if sym not in costs:
+                costs[sym] = policy_costs(lm, pstats, base, cfg, progress, fixed)
+            a = apply_policy(lm, pstats, base, cfg, progress, fixed, costs[sym])
+            yield _budget_name(args.policy_base, b, sym), a, round(time.time() - t, 1)
+    finally:
+        cfg.bits, cfg.symmetric_rows = None, False
+
+
 def _error(msg: str) -> int:
     print(f"oscar-eval: error: {msg}", file=sys.stderr)
     return 2
@@ -247,19 +264,11 @@ def single(args, methods, argv) -> int:
         fitted[name] = dataclasses.replace(loaded, sink=args.sink, recent=args.recent)
         methods.append(name)
     pstats, fixed = _policy_stats(args, lm, tok, cal_texts, stats, cfg, progress)
-    costs = {}
-    for b, sym in args.policy_bits:
-        t = time.time()
-        name = _budget_name(args.policy_base, b, sym)
-        cfg.bits, cfg.symmetric_rows = b, sym
-        if sym not in costs:
-            costs[sym] = policy_costs(lm, pstats, fitted[args.policy_base], cfg, progress, fixed)
-        fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress, fixed, costs[sym])
-        timings[name] = round(time.time() - t, 1)
+    for name, a, seconds in _policy_budgets(args, lm, pstats, fitted[args.policy_base], cfg, progress, fixed):
+        fitted[name], timings[name] = a, seconds
         methods.append(name)
         if args.save_artifacts:
             art.save(fitted[name], args.save_artifacts / name)
-    cfg.bits, cfg.symmetric_rows = None, False
     del stats, pstats
 
     eval_name = next(iter(eval_texts))
@@ -409,17 +418,9 @@ def cross_domain(args, methods, argv) -> int:
             results.append(_cross_result(args, c, m, fitted[m], fit_s, measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
         pstats, fixed = _policy_stats(args, lm, tok, cal_texts[c], stats, cfg, progress)
-        costs = {}
-        for b, sym in args.policy_bits:
-            t = time.time()
-            cfg.bits, cfg.symmetric_rows = b, sym
-            name = _budget_name(args.policy_base, b, sym)
-            if sym not in costs:
-                costs[sym] = policy_costs(lm, pstats, fitted[args.policy_base], cfg, progress, fixed)
-            fitted[name] = apply_policy(lm, pstats, fitted[args.policy_base], cfg, progress, fixed, costs[sym])
-            results.append(_cross_result(args, c, name, fitted[name], round(time.time() - t, 1), measure))
+        for name, a, seconds in _policy_budgets(args, lm, pstats, fitted[args.policy_base], cfg, progress, fixed):
+            results.append(_cross_result(args, c, name, a, seconds, measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
-        cfg.bits, cfg.symmetric_rows = None, False
         del stats, pstats, fitted
 
     meta = {
