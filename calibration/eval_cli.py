@@ -169,8 +169,9 @@ def _policy_stats(args, lm, tok, texts, stats, cfg, progress):
     return policy_inputs(lm, stats, cfg, seqs["policy"], seqs["copy"], progress)
 
 
-def _policy_budgets(args, lm, pstats, base, cfg, progress, fixed):
-    """Yield ``(name, artifact, seconds)`` for each ``--policy-bits`` budget applied to the ``base`` artifact.
+def _policy_budgets(args, lm, pstats, fitted, cfg, progress, fixed):
+    """Yield ``(name, artifact, seconds)`` for each ``--policy-bits`` budget applied to ``fitted[--policy-base]``
+    (looked up only when there is a budget: without one the base need not have been fitted).
     Budgets with the same symmetric-rows flag share one measurement of the options' costs; ``cfg`` is left as it
     was found (no budget, stored zeros)."""
     costs = {}
@@ -178,6 +179,7 @@ def _policy_budgets(args, lm, pstats, base, cfg, progress, fixed):
         for b, sym in args.policy_bits:
             t = time.time()
             cfg.bits, cfg.symmetric_rows = b, sym
+            base = fitted[args.policy_base]
             if sym not in costs:
                 costs[sym] = policy_costs(lm, pstats, base, cfg, progress, fixed)
             a = apply_policy(lm, pstats, base, cfg, progress, fixed, costs[sym])
@@ -264,7 +266,7 @@ def single(args, methods, argv) -> int:
         fitted[name] = dataclasses.replace(loaded, sink=args.sink, recent=args.recent)
         methods.append(name)
     pstats, fixed = _policy_stats(args, lm, tok, cal_texts, stats, cfg, progress)
-    for name, a, seconds in _policy_budgets(args, lm, pstats, fitted[args.policy_base], cfg, progress, fixed):
+    for name, a, seconds in _policy_budgets(args, lm, pstats, fitted, cfg, progress, fixed):
         fitted[name], timings[name] = a, seconds
         methods.append(name)
         if args.save_artifacts:
@@ -418,7 +420,7 @@ def cross_domain(args, methods, argv) -> int:
             results.append(_cross_result(args, c, m, fitted[m], fit_s, measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
         pstats, fixed = _policy_stats(args, lm, tok, cal_texts[c], stats, cfg, progress)
-        for name, a, seconds in _policy_budgets(args, lm, pstats, fitted[args.policy_base], cfg, progress, fixed):
+        for name, a, seconds in _policy_budgets(args, lm, pstats, fitted, cfg, progress, fixed):
             results.append(_cross_result(args, c, name, a, seconds, measure))
             _checkpoint(args.out, "accuracy_cross_domain.partial.json", results)
         del stats, pstats, fitted
