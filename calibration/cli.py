@@ -73,10 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key-scaling", action="store_true",
                    help="also learn a per-channel key scale per KV head (folded into the key transform, its "
                         "inverse into the query's; kept only where it passes the held-out check)")
-    p.add_argument("--symmetric-rows", action="store_true",
+    p.add_argument("--symmetric-rows", action=argparse.BooleanOptionalAction, default=None,
                    help="the precision policy may also store a layer's keys or values as symmetric rows (scale "
                         "only, zero implied: INT2 at 2.25 bits per element for head_dim 64), spending the saving "
-                        "on harder layers")
+                        "on harder layers (default: on with a policy; docs/ACCURACY.md 'Symmetric rows')")
     p.add_argument("--value-weighting", choices=("exact", "proxy"), default="exact",
                    help="C_S from exact attention probabilities or the k C_Q k proxy")
     p.add_argument("--keep-sequences", type=int, default=4, help="sequences used by clip search and OptR")
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             # Fail before the long part if the windows swallow every sequence.
             query_positions(args.seq_len, args.sink, args.recent, 1, torch.Generator())
         for flag, value in (("--policy-seq-len", args.policy_seq_len), ("--policy-copy-len", args.policy_copy_len),
-                            ("--symmetric-rows", args.symmetric_rows or None)):
+                            ("--symmetric-rows", args.symmetric_rows or None)):  # asked for explicitly
             if value is not None and args.bits is None:
                 raise ValueError(f"{flag} needs a precision policy (--bits B)")
         if args.policy_seq_len is not None:
@@ -120,7 +120,8 @@ def main(argv=None) -> int:
         cfg = CalibrationConfig(
             method=args.method, sink=args.sink, recent=args.recent, group_size=args.group,
             value_weighting=args.value_weighting, keep_sequences=args.keep_sequences, seed=args.seed, bits=args.bits,
-            key_scaling=args.key_scaling, symmetric_rows=args.symmetric_rows,
+            key_scaling=args.key_scaling,
+            symmetric_rows=args.bits is not None if args.symmetric_rows is None else args.symmetric_rows,
             optr=OptRConfig(steps=args.optr_steps, lr=args.optr_lr, output_weight=args.optr_lambda),
         )
         data_summary = {"spec": args.data, "texts": list(texts), "model": str(path)}

@@ -30,10 +30,11 @@ def test_calibrate_optr_writes_a_validated_artifact(tmp_path, capsys):
     assert len(cal["heldout_groups"]) >= 2 and "acceptance" in cal
     assert len(cal["layers"]) == 30 and {"k_clip", "v_clip", "k_heldout_before", "k_kept"} <= set(cal["layers"][0])
     assert cal["peak_rss_mb"] > 0
-    # the default --bits 2.75: a precision policy, its choice and held-out check in the manifest
+    # the default --bits 2.75 with symmetric rows: a precision policy, its choice and held-out check in the manifest
     assert manifest["format_version"] == 2 and len(manifest["layer_formats"]) == 30
     pol = cal["policy"]
-    assert pol["budget_bits"] == 2.75 and 2.5 <= a.bits_per_element <= 2.75 + 1e-9
+    assert pol["budget_bits"] == 2.75 and 2.25 <= a.bits_per_element <= 2.75 + 1e-9
+    assert pol["options"]["int2sym"] == 2.25 and pol["options"]["int2"] == 2.5
     assert manifest["bits_per_element"] == pytest.approx(a.bits_per_element, abs=1e-6)
     assert pol["error_policy"] <= pol["error_base"] and len(pol["heldout_check"]["folds"]) == len(cal["heldout_groups"])
     assert pol["measured_on"]["seq_len"] == 512 and pol["measured_on"]["sequences"] == 2   # the kept sequences
@@ -46,9 +47,10 @@ def test_policy_measures_on_its_own_longer_sequences(tmp_path, capsys):
     out = tmp_path / "rot"
     rc = cli.main(["--method", "hadamard-center", "--tokens", "768", "--seq-len", "256", "--sink", "8",
                    "--recent", "32", "--keep-sequences", "3", "--bits", "3", "--policy-seq-len", "640",
-                   "--out", str(out), "--quiet", "--dtype", "float32"])
+                   "--no-symmetric-rows", "--out", str(out), "--quiet", "--dtype", "float32"])
     assert rc == 0
     cal = json.loads((out / "manifest.json").read_text())["calibration"]
+    assert not any("sym" in name for name in cal["policy"]["options"])    # stored zeros only, as asked
     assert cal["seq_len"] == 256 and cal["sequences"] == 3
     on = cal["policy"]["measured_on"]
     assert on["seq_len"] == 640 and on["sequences"] == 3
