@@ -297,6 +297,12 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
         flush(url)
         before.append(probe(url, p))
 
+    # every malformed request once alone first: batched with other prompts SGLang may survive what alone kills it
+    alone = [{"bad": True, **run_bad(url, b, context_len)} for b in BAD]
+    alive_alone = _request(url, "/health", None, method="GET")[0]
+    if alive_alone != 200:
+        raise RuntimeError(f"the server died on a malformed request sent alone: {alone}")
+
     plan = traffic_plan(work, rng, requests, long_output_tokens, long_output_share)
     deadline = time.monotonic() + 60 * max_minutes
     results, flushes = [], Counter()
@@ -343,7 +349,7 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
     unfinished = [r for r in good if r["kind"] in ("generate", "generate_stream", "completions")
                   and (r.get("status") != 200 or r.get("tokens", 0) < 1)]
     aborted_wrong = [r for r in good if r["kind"] == "abort" and r.get("finish") not in ("abort", "length")]
-    bad_wrong = [r for r in bad if not (400 <= r["status"] < 500 or r["status"] == 200)]
+    bad_wrong = [r for r in bad + alone if not (400 <= r["status"] < 500 or r["status"] == 200)]
     probe_cmp = [same_up_to_noise(b, a) for b, a in zip(before, after)]
     window = sink + recent
     pressure = memory_pressure(log)
@@ -359,6 +365,7 @@ def soak(url: str, log: Path, *, requests: int, concurrency: int, max_prompt_tok
         "status": {str(k): v for k, v in Counter(r.get("status") for r in ran).items()},
         "errors_5xx_or_dropped": len(five), "unfinished": len(unfinished), "aborts_not_honoured": len(aborted_wrong),
         "bad_input": {r["kind"]: [r["status"], r["message"][:160]] for r in bad},
+        "bad_input_alone": {r["kind"]: [r["status"], r["message"][:160]] for r in alone},
         "bad_input_not_4xx": len(bad_wrong), "flush_cache_during_traffic": {str(k): v for k, v in flushes.items()},
         "flushed_after": flushed, "alive_after": alive,
         "hot_pool_after": {"lines": after_lines[-2:], "window": window, "ok": idle_ok},
@@ -418,8 +425,10 @@ def write_report(report: dict, command: str, out: Path) -> None:
         f"| **all checks** | **{'pass' if report['ok'] else 'FAIL'}** |", "",
         f"Requests by kind: {report['by_kind']}; HTTP status counts: {report['status']}; "
         f"`/flush_cache` during traffic: {report['flush_cache_during_traffic']} (SGLang refuses while requests run).",
-        "", "Malformed requests (status, start of the message):", "",
+        "", "Malformed requests, each sent alone before the traffic (status, start of the message):", "",
     ]
+    lines += [f"- `{k}`: {s} — {m!r}" for k, (s, m) in report["bad_input_alone"].items()]
+    lines += ["", "Malformed requests during the traffic (the last of each kind):", ""]
     lines += [f"- `{k}`: {s} — {m!r}" for k, (s, m) in report["bad_input"].items()]
     (out / "RELIABILITY.md").write_text("\n".join(lines) + "\n")
 

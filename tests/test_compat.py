@@ -167,3 +167,16 @@ def test_the_fused_kv_hook_reaches_model_modules_imported_later():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=CPU_ENV)
     assert "HOOKED True" in r.stdout, r.stderr[-3000:]
+
+
+def test_empty_prompt_is_refused_per_request_only_with_oscar_int2():
+    """``refuse_empty_prompt`` (before TokenizerManager._validate_one_request): 0 tokens -> ValueError (a 400)."""
+    oscar = SimpleNamespace(server_args=SimpleNamespace(kv_cache_dtype="oscar-int2"))
+    bf16 = SimpleNamespace(server_args=SimpleNamespace(kv_cache_dtype="auto"))
+    req = SimpleNamespace(input_embeds=None)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        compat.refuse_empty_prompt(oscar, req, [])
+    assert compat.refuse_empty_prompt(oscar, req, [1]) is None                # a token: SGLang's own checks go on
+    assert compat.refuse_empty_prompt(oscar, SimpleNamespace(input_embeds=[[0.0]]), []) is None   # embeddings given
+    assert compat.refuse_empty_prompt(oscar, req, None) is None
+    assert compat.refuse_empty_prompt(bf16, req, []) is None                  # other servers as SGLang makes them

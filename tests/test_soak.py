@@ -41,6 +41,9 @@ def test_short_soak_leaves_the_server_healthy_and_unchanged(tmp_path):
     assert report["errors_5xx_or_dropped"] == 0, report["examples_5xx"]
     assert report["unfinished"] == 0 and report["aborts_not_honoured"] == 0
     assert report["bad_input_not_4xx"] == 0, report["bad_input"]
+    # alone, an empty prompt would be an extend of 0 tokens, which kills SGLang's scheduler: refused instead
+    assert report["bad_input_alone"]["empty_prompt"][0] == 400, report["bad_input_alone"]
+    assert "prompt is empty" in report["bad_input_alone"]["empty_prompt"][1]
     assert report["hot_pool_after"]["ok"], report["hot_pool_after"]
     assert all(p["ok"] for p in report["probes"]), report["probes"]
     during = report["hot_pool_during"]      # the server's own hot-pool lines over the traffic

@@ -14,7 +14,9 @@ that SGLang takes on CUDA for several model families (Qwen3-MoE, Bailing,
 GPT-OSS, SDAR, LLaDA2, Mellum) when the pool's dtype is bf16; with the INT2
 pool, ``enable_fused_set_kv_buffer`` answers False (:func:`no_fused_kv_write`)
 and the model takes its ordinary path (K and V handed to the attention backend,
-which writes them).  Speculative decoding and non-default attention backends
+which writes them).  Refused per request rather than at startup: a prompt of
+no tokens (:func:`refuse_empty_prompt`), which SGLang 0.5.23 would schedule as
+an extend of 0 tokens that kills its scheduler.  Speculative decoding and non-default attention backends
 are refused by ``args.select_attention_backend``; MLA, hybrid and
 sliding-window models by ``memory``.
 """
@@ -99,3 +101,22 @@ def no_fused_kv_write(original, *args, **kwargs):
     if has_forward_context() and isinstance(get_token_to_kv_pool(), OscarInt2Pool):
         return False
     return original(*args, **kwargs)
+
+
+EMPTY_PROMPT = ("the prompt is empty (0 tokens); send at least one token of text or input_ids "
+                "(--kv-cache-dtype " + KV_CACHE_DTYPE + ")")
+
+
+def refuse_empty_prompt(tokenizer_manager, obj=None, input_ids=None, *args, **kwargs):
+    """Before ``TokenizerManager._validate_one_request``: a request whose prompt has no tokens is a 400 with one
+    sentence (SGLang answers the ValueError raised here as a bad request).
+
+    SGLang 0.5.23 accepts it and, when nothing else is in the batch, schedules an extend of 0 tokens; the model's
+    RoPE then fails to reshape the empty tensor and the scheduler dies, taking the server with it (measured on
+    CPU with the BF16 cache as well: ``scripts/soak.py`` sends every malformed request alone). Batched with other
+    prompts the same request is answered with tokens generated from no context. Only with oscar-int2: other
+    servers are left as SGLang makes them."""
+    embeds = getattr(obj, "input_embeds", None)
+    if (input_ids is not None and len(input_ids) == 0 and embeds is None
+            and getattr(getattr(tokenizer_manager, "server_args", None), "kv_cache_dtype", None) == KV_CACHE_DTYPE):
+        raise ValueError(EMPTY_PROMPT)

@@ -30,6 +30,8 @@ HOOKS = (
     (f"{REQ_TO_TOKEN_POOL}.free_rows", memory.end_requests, "BEFORE"),
     (f"{REQ_TO_TOKEN_POOL}.clear", memory.flush_requests, "AFTER"),
     ("sglang.srt.models.utils.enable_fused_set_kv_buffer", compat.no_fused_kv_write, "AROUND"),
+    ("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", compat.refuse_empty_prompt,
+     "BEFORE"),
     (f"{METRICS_REPORTER}.report_decode_stats", metrics.report_decode_stats, "AFTER"),
 )
 
