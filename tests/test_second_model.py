@@ -81,7 +81,7 @@ def test_second_model_is_the_trained_model(qwen):
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
     msgs = [{"role": "user", "content": "Write a Python function square(x) that returns x squared."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    out = lm.generate(ids, max_new_tokens=30, do_sample=False)
+    out = lm.generate(ids, max_new_tokens=48, do_sample=False)   # bf16 (native-bf16 CPUs) opens with a longer preamble
     assert "def square(x)" in tok.decode(out[0, ids.shape[1]:])
 
 
