@@ -11,11 +11,17 @@ decode step of every request.  Timed, per pass (median of ``--passes``):
 * **ours, new**: ``OscarInt2AttnBackend.init_forward_metadata`` (the real
   backend on a real ``OscarInt2Pool``, one layer) with a decode
   ``forward_batch``: ``pool.begin_pass`` = vectorised ``window_plan`` +
-  ``HotSet.update``.
+  ``HotSet.update``, with the pool attached to the request rows as the
+  server attaches it (request lengths tracked, every live request's window
+  re-pinned each pass: work over ``rows x (sink + recent)``, here
+  ``rows = batch``).
 * **ours, old**: what ``init_forward_metadata`` did before: the host lists
   (``seq_lens_cpu.tolist()``, ``prefix = seq - 1``), the per-request Python
   ``window_plan`` and the ``nonzero``/boolean-mask ``HotSet``
-  (``tests/hot_reference.py``, the test oracle), from the same state.
+  (``tests/hot_reference.py``, the test oracle, without the re-pin it
+  learned on 2026-12-02; in these passes every live request is in the
+  batch, so the re-pin changes no stamp and both end in the same state,
+  checked), from the same state.
 * **SGLang triton**: the tensor work of ``TritonAttnBackend.init_forward_metadata``
   (``sglang/srt/layers/attention/triton_backend.py``, decode, no
   speculative decoding / DCP / sliding window).  Its metadata path launches
@@ -113,6 +119,7 @@ def _backend(batch: int, num_slots: int, sink: int, recent: int, req_to_token: t
                          device="cpu", config=cfg, start_layer=0, end_layer=1)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
                              device="cpu")
+    pool.attach_requests(runner.req_to_token_pool)      # as the server does: request lengths, re-pinning
     return OscarInt2AttnBackend(runner)
 
 
@@ -121,7 +128,7 @@ def old_init_forward_metadata(ref: RefHotSet, fb, req_to_token):
     seq = fb.seq_lens_cpu.tolist()
     prefix = [n - 1 for n in seq]
     max_len = max(seq, default=0)
-    hot_loc = ref.begin_pass(fb.out_cache_loc, fb.req_pool_indices, prefix, seq, req_to_token)
+    hot_loc = ref.begin_pass(fb.out_cache_loc, fb.req_pool_indices, prefix, seq, req_to_token, repin=False)
     return hot_loc, max_len
 
 
@@ -280,7 +287,7 @@ def write_report(rows: list[dict], args, out: Path) -> None:
         "its column at large batch, ours touches `batch x (sink + recent)` window entries and a "
         "`topk` over the recent region. On a GPU the host cost is about the number of launches instead, "
         "flat in the batch for both: there ours is the larger (the `ops` columns); "
-        "`begin_pass` has fixed shapes and no syncs; with decode CUDA graphs it is the part that runs eagerly before each replay (docs/SGLANG.md). Since 2026-12-01 it also puts the tokens leaving each window out of window (the pinning rule, docs/SGLANG.md): 69 ops per decode pass instead of 45.",
+        "`begin_pass` has fixed shapes and no syncs; with decode CUDA graphs it is the part that runs eagerly before each replay (docs/SGLANG.md). Since 2026-12-01 it also puts the tokens leaving each window out of window (the pinning rule, docs/SGLANG.md): 69 ops per decode pass instead of 45; since 2026-12-02 the pool is attached to the request rows as in the server (lengths tracked) and every pass re-pins the windows of the live requests (a prefix token shared through a radix hit stays in window while any live request reads it there): 83-85 ops, and on CPU work over `rows x (sink + recent)` (rows = batch here; SGLang's request rows on a server).",
         "",
         "| batch | hot entries | ours new (us) | ours old (us) | SGLang triton (us) | new / triton "
         "| old / new | ops new | ops old | ops triton |",

@@ -4,7 +4,8 @@ The per-request implementation that ``oscar_sglang/sglang/hot.py`` replaced
 (Python loop over requests and windows, ``nonzero`` and boolean-mask
 indexing, host lists in), extended with the same pinning rule (entries of
 tokens that left their window or whose request ended go "out of window",
-stamp 0, and are taken before in-window ones), so the tests can assert that
+stamp 0, and are taken before in-window ones; an entry still in a live
+request's window keeps at least that request's last pass as stamp), so the tests can assert that
 the vectorised :class:`oscar_sglang.sglang.hot.HotSet` and
 :func:`~oscar_sglang.sglang.hot.window_plan` produce exactly the same
 ``hot_index``, ``owner``, ``stamp``, counters and ``hot_loc`` on every input,
@@ -75,7 +76,8 @@ class RefHotSet:
         self.stamp = torch.full((self.entries,), -1, dtype=torch.long, device=device)
         self.clock = 0
         self.in_window_evictions = self.denied = 0
-        self.req_len: dict[int, int] = {}
+        self.req_len: dict[int, int] = {}                # live request rows: length after their last pass
+        self.req_pass: dict[int, int] = {}               # ... and that pass's number
         self._sink_region = _Region(0, sink_entries)
         self._recent_region = _Region(sink_entries, recent_entries)
 
@@ -99,12 +101,26 @@ class RefHotSet:
         entry = self.hot_index[slots.to(self.device).long()].long()
         self.stamp[entry[entry >= 0]] = 0
 
+    def _window(self, n: int) -> list[int]:
+        return sorted(set(range(min(self.sink, n))) | set(range(max(self.sink, n - self.recent), n)))
+
     def end_requests(self, rows: list[int], req_to_token: torch.Tensor) -> None:
         for row in rows:
             n = self.req_len.pop(row, 0)
-            pos = sorted(set(range(min(self.sink, n))) | set(range(max(self.sink, n - self.recent), n)))
+            self.req_pass.pop(row, None)
+            pos = self._window(n)
             if pos:
                 self.retire(req_to_token[row, torch.tensor(pos)])
+        if self.sink + self.recent:
+            self.repin(req_to_token)
+
+    def repin(self, req_to_token: torch.Tensor) -> None:
+        """Every live request's window: its entries' stamps at least the request's last pass."""
+        for row, n in self.req_len.items():
+            for p in self._window(n):
+                entry = int(self.hot_index[int(req_to_token[row, p])])
+                if entry >= 0:
+                    self.stamp[entry] = max(int(self.stamp[entry]), self.req_pass[row])
 
     def touch(self, slots: torch.Tensor) -> None:
         if slots.numel() == 0:
@@ -133,7 +149,8 @@ class RefHotSet:
         return out
 
     def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
-               kept_slots: torch.Tensor | None = None, leave_slots: torch.Tensor | None = None) -> torch.Tensor:
+               kept_slots: torch.Tensor | None = None, leave_slots: torch.Tensor | None = None,
+               repin: torch.Tensor | None = None) -> torch.Tensor:
         self.clock += 1
         new_slots = new_slots.to(self.device).long()
         new_pos = new_pos.to(self.device)
@@ -143,6 +160,8 @@ class RefHotSet:
             self.retire(leave_slots)
         if kept_slots is not None:
             self.touch(kept_slots)
+        if repin is not None:
+            self.repin(repin)
         hot_loc = torch.full((new_slots.numel(),), -1, dtype=torch.long, device=self.device)
         is_sink = new_pos < self.sink
         is_recent = ~is_sink & (new_pos >= new_len - self.recent)
@@ -153,13 +172,16 @@ class RefHotSet:
         return hot_loc
 
     def begin_pass(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: list[int],
-                   seq_lens: list[int], req_to_token: torch.Tensor) -> torch.Tensor:
-        """What ``OscarInt2Pool.begin_pass`` did (host lists of lengths)."""
+                   seq_lens: list[int], req_to_token: torch.Tensor, repin: bool = True) -> torch.Tensor:
+        """What ``OscarInt2Pool.begin_pass`` does (host lists of lengths); ``repin=False``: what it did before
+        2026-12-02, without re-pinning the windows of live requests outside the batch."""
         plan = ref_window_plan(prefix_lens, seq_lens, self.sink, self.recent)
         rows = req_pool_indices.to(self.device).long()
         for row, n in zip(rows.tolist(), seq_lens):
             self.req_len[row] = n
+            self.req_pass[row] = self.clock + 1                  # the pass update() is about to count
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         kept = req_to_token[rows[plan.keep_req], plan.keep_pos] if plan.keep_pos.numel() else empty
         leave = req_to_token[rows[plan.leave_req], plan.leave_pos] if plan.leave_pos.numel() else empty
-        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept, leave)
+        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept, leave,
+                           repin=req_to_token if repin else None)

@@ -154,6 +154,70 @@ def test_a_radix_hit_pins_a_finished_prefix_again():
     assert (srv.hs.stamp[sinks] > 0).all() and srv.cold_window_tokens([b]) == 0
 
 
+def _full_of_finished_windows(srv: Server, n: int = 3) -> None:
+    """Requests that ran and finished: their window entries fill the regions, all out of window, none free."""
+    for _ in range(n):
+        junk = srv.admit()
+        srv.run({junk: 52})
+        srv.finish(junk)
+    assert srv.hs.counters["free"] == 0 and srv.hs.counters["in_window"] == 0
+
+
+def _shared_prefix_then_sharer_ends(srv: Server) -> int:
+    """A runs, B reuses A's 40-token prefix (a radix hit on a live request), A ends, then a prompt C prefills
+    while B sits out: C's sinks take the out-of-window entries with the lowest index first, which are A's."""
+    _full_of_finished_windows(srv)
+    a = srv.admit()
+    srv.run({a: 40})
+    b = srv.admit(shared_from=a, shared=40)
+    srv.run({b: 2})
+    srv.finish(a)
+    c = srv.admit()
+    srv.run({c: 30})
+    return b
+
+
+def test_sinks_of_a_live_radix_prefix_stay_when_the_request_that_wrote_them_ends():
+    srv = Server(hot_requests=2)
+    b = _shared_prefix_then_sharer_ends(srv)
+    assert srv.cold_window_tokens([b]) == 0
+    assert srv.hs.counters["in_window_evictions"] == 0
+
+
+def test_without_repinning_a_shared_prefix_loses_its_sinks(monkeypatch):
+    """Control: A's end retires the shared window tokens, and C takes them although B still reads them."""
+    monkeypatch.setattr(HotSet, "_repin", lambda self, req_to_token: None)
+    srv = Server(hot_requests=2)
+    b = _shared_prefix_then_sharer_ends(srv)
+    assert srv.cold_window_tokens([b]) == S + 14                 # B's sinks and the prefix tail 26..39 it reads
+
+
+def _shared_tail_then_owner_moves_on(srv: Server) -> int:
+    """B reuses A's 40-token prefix and its recent window covers the prefix's tail (positions 26-39); A's next
+    chunk (B sits out) moves A's window past positions 24-31, and A's new tokens want entries."""
+    _full_of_finished_windows(srv)
+    a = srv.admit()
+    srv.run({a: 40})
+    b = srv.admit(shared_from=a, shared=40)
+    srv.run({b: 2})
+    srv.run({a: 8})
+    return b
+
+
+def test_a_shared_tail_stays_while_the_other_request_still_has_it_in_its_window():
+    srv = Server(hot_requests=2)
+    b = _shared_tail_then_owner_moves_on(srv)
+    assert srv.cold_window_tokens([b]) == 0
+    assert srv.hs.counters["in_window_evictions"] == 0
+
+
+def test_without_repinning_a_shared_tail_goes_cold(monkeypatch):
+    monkeypatch.setattr(HotSet, "_repin", lambda self, req_to_token: None)
+    srv = Server(hot_requests=2)
+    b = _shared_tail_then_owner_moves_on(srv)
+    assert srv.cold_window_tokens([b]) == 6                      # positions 26..31: A's leaving tokens in B's window
+
+
 def test_tokens_leaving_the_window_go_out_of_window_in_the_same_pass():
     srv = Server(hot_requests=1)
     r = srv.admit()

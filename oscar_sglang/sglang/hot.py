@@ -44,6 +44,11 @@ Per forward pass, :meth:`HotSet.update` applies, in order:
 3. the entries of the cached tokens in the batch's windows are stamped, so a
    request reads BF16 at least at positions ``< sink`` and ``>= len - recent``
    whatever the rest of the traffic (as long as the regions are big enough);
+   then every live request's window is re-pinned (an entry in it gets at
+   least that request's last pass as stamp), so a token shared through a
+   radix hit stays in window while any live request still has it in its
+   window, even when the request that retired it in step 2 (or ended) is
+   another one and the sharer sits out this pass;
 4. new tokens at sink positions get sink entries, new tokens in the recent
    window get recent entries (free, then out of window, then least recently
    used; the last ``region size`` tokens of the pass if more ask; among
@@ -198,8 +203,9 @@ class HotSet:
         # counters (device): in-window entries taken for another token; window tokens that got no entry
         self._in_window_evictions = torch.zeros((), dtype=torch.long, device=device)
         self._denied = torch.zeros((), dtype=torch.long, device=device)
-        # length of each request row after its last pass (see track_requests / end_requests)
+        # length of each request row after its last pass, and that pass's number (see track_requests)
         self._req_len: torch.Tensor | None = None
+        self._req_pass: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -225,20 +231,27 @@ class HotSet:
                 "free": int((self.stamp < 0).sum())}
 
     def track_requests(self, rows: int) -> None:
-        """Remember each request row's length after its passes, so :meth:`end_requests` finds its window.
+        """Remember each request row's length and last pass, so windows of live requests can be found.
 
-        ``rows``: the number of rows of SGLang's ``req_to_token`` (allocated
-        once, before serving: the per-pass path then only writes into it).
+        :meth:`end_requests` finds an ending request's window from it, and
+        every pass re-pins the windows of the live requests that are not in
+        its batch (:meth:`_repin`).  ``rows``: the number of rows of SGLang's
+        ``req_to_token`` (allocated once, before serving: the per-pass path
+        then only writes into it).
         """
         self._req_len = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._req_pass = torch.zeros(rows, dtype=torch.long, device=self.device)
 
     def end_requests(self, rows, req_to_token: torch.Tensor) -> None:
         """Requests in ``rows`` (``req_to_token`` rows being freed) ended: their window entries go out of window.
 
         Their BF16 copies stay until the entries are needed (a radix hit on
-        the prefix pins them again).  Needs :meth:`track_requests`; a no-op
-        without it.  Called by SGLang's ``ReqToTokenPool.free_rows`` hook,
-        before the rows are reused.
+        the prefix pins them again).  Tokens still in the window of another
+        live request (a prefix shared through a radix hit: its sinks, often)
+        stay in window, stamped with that request's last pass
+        (:meth:`_repin`).  Needs :meth:`track_requests`; a no-op without it.
+        Called by SGLang's ``ReqToTokenPool.free_rows`` hook, before the rows
+        are reused.
         """
         if self._req_len is None:
             return
@@ -246,12 +259,35 @@ class HotSet:
         if rows.numel() == 0:
             return
         length = self._req_len.index_select(0, rows)
+        self._req_len.index_put_((rows,), self._zero)
         plan = window_plan(length, length, 0, self.sink, self.recent, device=self.device)
         if plan.keep_pos.shape[1]:
             pos = torch.clamp(plan.keep_pos, max=req_to_token.shape[1] - 1)
             slots = req_to_token[rows.to(req_to_token.device).unsqueeze(1), pos.to(req_to_token.device)]
             self.retire(slots, plan.keep_mask)
-        self._req_len.index_put_((rows,), self._zero)
+            self._repin(req_to_token)
+
+    def _repin(self, req_to_token: torch.Tensor) -> None:
+        """Entries in the window of a live request get at least that request's last pass as stamp.
+
+        So a token another request retired (its window moved past a shared
+        prefix token, or it ended) stays in window while a live request still
+        reads it there, ranked as if that request alone had stamped it; entries
+        already stamped later keep their stamp.  Fixed shapes ``[rows, sink +
+        recent]`` (rows of ``req_to_token``), about a dozen ops, no sync.
+        """
+        if self.sink + self.recent == 0:
+            return
+        length = self._req_len.unsqueeze(1)
+        col, recent_col = _columns(self.sink, self.recent, self.device)
+        pos = torch.addcmul(col, torch.clamp(length - (self.sink + self.recent), min=0), recent_col)
+        live = pos < length                                       # a position of a live request's window
+        pos = torch.clamp(pos, max=req_to_token.shape[1] - 1).to(req_to_token.device)
+        slots = torch.gather(req_to_token, 1, pos).to(self.device).reshape(-1)
+        entry = torch.where(live.reshape(-1), self._hot_index.index_select(0, slots), self._cold)
+        last = self._req_pass.unsqueeze(1).expand(pos.shape).reshape(-1)
+        index = entry.long().remainder(self._stamp.numel())      # -1 (no entry): the trash, last
+        self._stamp.scatter_reduce_(0, index, last, "amax")
 
     def reset(self) -> None:
         """Every entry free, no request tracked (SGLang's cache flush: no slot holds a token any more)."""
@@ -260,6 +296,7 @@ class HotSet:
         self._stamp.fill_(-1)
         if self._req_len is not None:
             self._req_len.zero_()
+            self._req_pass.zero_()
 
     def retire(self, slots: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """The entries of ``slots`` (those holding one, and where ``mask``) go out of window (stamp 0)."""
@@ -350,12 +387,15 @@ class HotSet:
     def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
                kept_slots: torch.Tensor | None = None, kept_mask: torch.Tensor | None = None,
                batch_size: int | None = None, leave_slots: torch.Tensor | None = None,
-               leave_mask: torch.Tensor | None = None) -> torch.Tensor:
+               leave_mask: torch.Tensor | None = None, repin: torch.Tensor | None = None) -> torch.Tensor:
         """Apply one forward pass (see the module docstring); returns ``hot_loc`` int64 ``[n]``.
 
         ``new_slots`` must be distinct (SGLang never writes a slot twice in a
         pass).  ``leave_slots`` (any shape) go out of window where
-        ``leave_mask``, then ``kept_slots`` are stamped where ``kept_mask``.
+        ``leave_mask``, then ``kept_slots`` are stamped where ``kept_mask``,
+        then, given SGLang's ``req_to_token`` as ``repin`` (and
+        :meth:`track_requests`), the windows of all live requests are
+        re-pinned (:meth:`_repin`), before any new token takes an entry.
         ``batch_size`` (host), when the positions come from
         :func:`window_plan`, bounds a region's takers by ``batch * window``.
         """
@@ -367,6 +407,8 @@ class HotSet:
             self.retire(leave_slots, leave_mask)
         if kept_slots is not None:
             self.touch(kept_slots, kept_mask)
+        if repin is not None and self._req_len is not None:
+            self._repin(repin)
         if n == 0:
             return torch.full((0,), -1, dtype=torch.long, device=self.device)
         new_pos = new_pos.to(self.device)
@@ -404,5 +446,6 @@ class HotSet:
             leave = req_to_token[rows.unsqueeze(1), torch.clamp(plan.leave_pos, max=req_to_token.shape[1] - 1)]
         if self._req_len is not None and batch:
             self._req_len.index_put_((rows.long(),), _lengths(seq_lens, self.device).long())
+            self._req_pass.index_put_((rows.long(),), self._clock + 1)     # the pass update() is about to count
         return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept, plan.keep_mask, batch_size=batch,
-                           leave_slots=leave, leave_mask=plan.leave_mask)
+                           leave_slots=leave, leave_mask=plan.leave_mask, repin=req_to_token)
