@@ -58,9 +58,9 @@ The returned ``hot_loc`` (entry per new token or -1) is what the write path
 copies the rotated BF16 rows to, in every layer.
 
 **No host work per request, no device sync.**  :func:`window_plan` and
-:meth:`HotSet.update` are fixed sequences of tensor ops (about 70 per decode
+:meth:`HotSet.update` are fixed sequences of tensor ops (about 85 per decode
 pass, whatever the batch) whose shapes depend only on host numbers SGLang
-already has (batch size, number of new tokens) and on the settings: no
+already has (batch size, number of new tokens), on the request rows and on the settings: no
 ``nonzero``, no boolean-mask indexing, no ``.item()``.  Masked writes go to
 one spare element at the end of ``hot_index``, ``owner`` and ``stamp`` (the
 *trash*, index -1, so an absent entry ``-1`` addresses it by itself; never
