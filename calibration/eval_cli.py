@@ -311,7 +311,7 @@ def single(args, methods, argv) -> int:
     (args.out / "accuracy.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
     (args.out / "accuracy.partial.json").unlink(missing_ok=True)
     table = report.accuracy_table(results)
-    (args.out / "accuracy_table.md").write_text(table + "\n")
+    (args.out / "accuracy_table.md").write_text(table + "\n\n" + report.MARGIN_LEGEND + "\n")
     title = (f"{Path(meta['model']).name}: calibrated on {args.data} ({summary['tokens']} tok), "
              f"evaluated on {eval_name}; sink {args.sink}, recent {args.recent}")
     report.plot_layer_errors(results, args.out / "accuracy_layers.png", title)

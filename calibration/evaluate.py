@@ -79,10 +79,50 @@ def niah_prompt(tokenizer, haystack_ids: list[int], length: int, depth: float, k
     return torch.cat([ids.reshape(1, -1), prefix], dim=1)
 
 
+def key_target(tokenizer, key: str) -> list[int]:
+    """Token ids of the key as the answer continues ``ANSWER_PREFIX`` (`` 60494``), tokenized in context."""
+    prefix = tokenizer(ANSWER_PREFIX, add_special_tokens=False).input_ids
+    full = tokenizer(ANSWER_PREFIX + " " + key, add_special_tokens=False).input_ids
+    if full[:len(prefix)] == prefix and len(full) > len(prefix):
+        return full[len(prefix):]
+    return tokenizer(" " + key, add_special_tokens=False).input_ids
+
+
+def key_margin(step_logits: list[torch.Tensor], generated: list[int], target: list[int]) -> float:
+    """How firmly greedy decoding produced the key: a log-probability margin in nats.
+
+    Walks the key's tokens while greedy decoding follows them; at step ``i``
+    the margin is ``logit[target_i] - max(other logits)`` (= the difference of
+    log-probabilities).  Returns the smallest margin over the steps walked:
+    positive when every key token was the greedy choice (the smallest lead it
+    had), negative at the first step where another token won (by how much the
+    key token lost).  A continuous, paired measure of retrieval beside the
+    pass/fail of a trial: an INT2 cache that keeps a pass but halves its
+    margin shows here.  ``nan`` if nothing was generated.
+    """
+    worst = float("nan")
+    for i, want in enumerate(target):
+        if i >= len(step_logits) or i >= len(generated):
+            break
+        row = step_logits[i].reshape(-1).float()
+        others = row.clone()
+        others[want] = float("-inf")
+        m = float(row[want] - others.max())
+        worst = m if worst != worst else min(worst, m)
+        if generated[i] != want:
+            break
+    return worst
+
+
 @torch.no_grad()
 def niah(model, tokenizer, haystack: str, artifact: RotationArtifacts | None, lengths, depths,
          trials: int = 1, sink=None, recent=None, seed: int = 0, max_new_tokens: int = 8) -> list[dict]:
-    """Pass-key retrieval with greedy decoding through the cache as served (prefill exact, decode from INT2)."""
+    """Pass-key retrieval with greedy decoding through the cache as served (prefill exact, decode from INT2).
+
+    Per (length, depth): ``hits`` (the key is in the answer), ``answers`` and
+    ``margins`` (:func:`key_margin` of each trial, from the logits of the same
+    greedy decoding: no extra passes).
+    """
     hay_ids = tokenizer(haystack, add_special_tokens=False).input_ids
     rng = random.Random(seed)
     keys = [[[str(rng.randint(10000, 99999)) for _ in range(trials)] for _ in depths] for _ in lengths]
@@ -90,18 +130,21 @@ def niah(model, tokenizer, haystack: str, artifact: RotationArtifacts | None, le
     with _sim(model, artifact, mode="serve", sink=sink, recent=recent):
         for li, length in enumerate(lengths):
             for di, depth in enumerate(depths):
-                hits = []
-                answers = []
+                hits, answers, margins = [], [], []
                 for trial in range(trials):
                     key = keys[li][di][trial]
                     # Each trial reads a different stretch of the haystack.
                     offset = (trial * 997) % max(1, len(hay_ids) - length)
                     ids = niah_prompt(tokenizer, hay_ids[offset:], length, depth, key).to(model.device)
                     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                         do_sample=False, pad_token_id=tokenizer.eos_token_id)
-                    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                                         do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                                         output_logits=True, return_dict_in_generate=True)
+                    new_ids = out.sequences[0, ids.shape[1]:].tolist()
+                    answer = tokenizer.decode(new_ids, skip_special_tokens=True)
                     hits.append(key in answer)
                     answers.append(answer.strip())
+                    m = key_margin([s[0] for s in out.logits], new_ids, key_target(tokenizer, key))
+                    margins.append(round(m, 4) if m == m else None)
                 rows.append({"length": length, "depth": depth, "accuracy": sum(hits) / trials, "hits": hits,
-                             "keys": keys[li][di], "answers": answers})
+                             "keys": keys[li][di], "answers": answers, "margins": margins})
     return rows

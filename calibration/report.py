@@ -19,13 +19,47 @@ def niah_hits(niah: list[dict]) -> list[bool]:
     return [bool(h) for x in niah for h in x.get("hits", [])]
 
 
+MARGIN_LEGEND = ("key margin: per pass-key trial, the smallest lead in log-probability (nats) the key's tokens had "
+                 "under greedy decoding, or, negative, by how much the first wrong token beat the key's; mean over "
+                 "trials. margin vs BF16: the mean of the per-trial change against BF16 (same prompts) ± 1.96 "
+                 "standard errors.")
+
+
+def niah_margins(niah: list[dict]) -> list[float | None]:
+    """Every trial's key margin (``evaluate.key_margin``), same order as :func:`niah_hits`; None where absent."""
+    out = []
+    for x in niah:
+        m = x.get("margins") or [None] * len(x.get("hits", []))
+        out += [None if v is None else float(v) for v in m]
+    return out
+
+
+def paired_margin_change(ref: list[float | None], other: list[float | None]) -> tuple[float, float, int] | None:
+    """Mean of ``other - ref`` over the trials both have, its 95 % half-width (1.96 standard errors), and n."""
+    diffs = [b - a for a, b in zip(ref, other) if a is not None and b is not None]
+    if len(ref) != len(other) or len(diffs) < 2:
+        return None
+    mean = sum(diffs) / len(diffs)
+    var = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return mean, 1.96 * (var / len(diffs)) ** 0.5, len(diffs)
+
+
+def _margin_cells(name: str, margins: list[float | None], ref: list[float | None]) -> str:
+    vals = [m for m in margins if m is not None]
+    mean = f"{sum(vals) / len(vals):.2f}" if vals else "–"
+    change = paired_margin_change(ref, margins) if name != "bf16" else None
+    return f"{mean} | " + (f"{change[0]:+.2f} ± {change[1]:.2f}" if change else "–") + " |"
+
+
 def accuracy_table(results: dict) -> str:
-    """One row per method: perplexities, mean layer error, pass keys found, and how many of BF16's it keeps."""
+    """One row per method: perplexities, mean layer error, pass keys found, how many of BF16's it keeps,
+    and the pass keys' mean margin (nats; ``evaluate.key_margin``) with its paired change against BF16."""
     ctxs = sorted({int(c) for r in results.values() for c in r["ppl"]})
     ref = niah_hits((results.get("bf16") or {}).get("niah") or [])
+    ref_margins = niah_margins((results.get("bf16") or {}).get("niah") or [])
     head = ("| method | bits/elt | " + "".join(f"PPL {c} | PPL {c} tail | " for c in ctxs)
-            + "mean layer err | pass keys found | BF16's passes kept |")
-    lines = [head, "|---|---:|" + "---:|---:|" * len(ctxs) + "---:|---:|---:|"]
+            + "mean layer err | pass keys found | BF16's passes kept | key margin | margin vs BF16 |")
+    lines = [head, "|---|---:|" + "---:|---:|" * len(ctxs) + "---:|---:|---:|---:|---:|"]
     for name, r in results.items():
         ppl = "".join(f"{r['ppl'][str(c)]['ppl']:.2f} | {r['ppl'][str(c)]['ppl_tail']:.2f} | " for c in ctxs)
         err = r.get("layer_errors")
@@ -35,7 +69,8 @@ def accuracy_table(results: dict) -> str:
         kept = (f"{sum(a and b for a, b in zip(ref, hits))}/{sum(ref)}"
                 if ref and len(ref) == len(hits) and name != "bf16" else "–")
         bits = r.get("bits_per_element")
-        lines.append(f"| {name} | {bits if bits is not None else 16:g} | {ppl}{err_s} | {found} | {kept} |")
+        margins = _margin_cells(name, niah_margins(r.get("niah") or []), ref_margins)
+        lines.append(f"| {name} | {bits if bits is not None else 16:g} | {ppl}{err_s} | {found} | {kept} | {margins}")
     return "\n".join(lines)
 
 

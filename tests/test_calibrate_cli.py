@@ -153,6 +153,7 @@ def test_eval_writes_accuracy_and_diagnostics(tmp_path, capsys):
     assert "| bits/elt |" in table and "| hadamard-center@3 | " in table and "BF16's passes kept" in table
     for r in res.values():
         assert len(r["niah"][0]["hits"]) == 1 and r["niah"][0]["accuracy"] == float(r["niah"][0]["hits"][0])
+        assert isinstance(r["niah"][0]["margins"][0], float)             # the key's margin, from the same decoding
     bf16_found = int(res["bf16"]["niah"][0]["hits"][0])
     assert "| bf16 | 16 |" in table and f"| {bf16_found}/1 | – |" in table
     diag = json.loads((tmp_path / "diagnostics.json").read_text())
