@@ -318,6 +318,8 @@ def single(args, methods, argv) -> int:
     report.plot_niah(results, args.out / "accuracy_niah.png", "pass-key retrieval: " + title)
     print(table)
     written = "accuracy.{json,_table.md,_layers.png,_niah.png}"
+    if report.plot_margins(results, args.out / "accuracy_margins.png", "pass-key margins: " + title):
+        written += ", accuracy_margins.png"
     if not args.no_diagnostics and fitted:
         # per (layer, KV head) of the evaluation text: shape statistics and each method's INT2 round-trip error
         rows = diagnostics.diagnose(capture.capture_kv(lm, err_seqs), fitted)

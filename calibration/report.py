@@ -116,3 +116,40 @@ def plot_niah(results: dict, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_margins(results: dict, path: Path, title: str) -> bool:
+    """Each pass-key trial's key margin against BF16's on the same prompt (one marker set per method).
+
+    On the diagonal a method decides like BF16; below it the key lost
+    log-probability lead; left of / below zero the trial failed.  Returns
+    False (nothing written) without BF16 margins to pair with.
+    """
+    ref = niah_margins((results.get("bf16") or {}).get("niah") or [])
+    names = [n for n, r in results.items() if n != "bf16" and len(niah_margins(r.get("niah") or [])) == len(ref)]
+    if not ref or all(m is None for m in ref) or not names:
+        return False
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    vals = [m for m in ref if m is not None]
+    for name in names:
+        pairs = [(a, b) for a, b in zip(ref, niah_margins(results[name]["niah"])) if a is not None and b is not None]
+        vals += [b for _, b in pairs]
+        change = paired_margin_change(ref, niah_margins(results[name]["niah"]))
+        label = name + (f" ({change[0]:+.2f} ± {change[1]:.2f})" if change else "")
+        ax.scatter([a for a, _ in pairs], [b for _, b in pairs], s=18, alpha=0.75, label=label)
+    lo, hi = min(vals) - 0.25, max(vals) + 0.25
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+    ax.axhline(0, color="grey", lw=0.5, ls=":")
+    ax.axvline(0, color="grey", lw=0.5, ls=":")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("BF16: key margin (nats)")
+    ax.set_ylabel("method: key margin on the same prompt (nats)")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7, title="mean change vs BF16 ± 95 %", title_fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

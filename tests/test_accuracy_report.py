@@ -48,3 +48,12 @@ def test_margin_columns_are_the_mean_and_the_paired_change_against_bf16():
     assert rows["int2"]["margin vs BF16"] == f"{mean:+.2f} ± {half:.2f}"
     assert rows["old"]["key margin"] == "–" and rows["old"]["margin vs BF16"] == "–"   # JSON from before margins
     assert report.paired_margin_change([1.0], [2.0, 3.0]) is None                      # different trials: no pairing
+
+
+def test_the_margin_plot_pairs_trials_with_bf16_and_is_skipped_without_margins(tmp_path):
+    niah = lambda margins: [{"length": 4096, "depth": 0.5, "hits": [m > 0 for m in margins], "margins": margins}]
+    results = {"bf16": {"niah": niah([2.0, 1.0, -0.5])}, "int2": {"niah": niah([1.0, -0.2, -1.5])}}
+    assert report.plot_margins(results, tmp_path / "m.png", "t")
+    assert (tmp_path / "m.png").stat().st_size > 1000
+    old = {"bf16": {"niah": [{"hits": [True]}]}, "int2": {"niah": [{"hits": [False]}]}}
+    assert not report.plot_margins(old, tmp_path / "none.png", "t") and not (tmp_path / "none.png").exists()
