@@ -163,14 +163,21 @@ def _full_of_finished_windows(srv: Server, n: int = 3) -> None:
     assert srv.hs.counters["free"] == 0 and srv.hs.counters["in_window"] == 0
 
 
-def _shared_prefix_then_sharer_ends(srv: Server) -> int:
-    """A runs, B reuses A's 40-token prefix (a radix hit on a live request), A ends, then a prompt C prefills
-    while B sits out: C's sinks take the out-of-window entries with the lowest index first, which are A's."""
+def _b_on_a_s_prefix(srv: Server) -> tuple[int, int]:
+    """On a pool full of finished windows, A prefills 40 tokens and B reuses A's prefix while A runs (a radix hit on
+    a live request) and extends it by 2: B's window holds A's sinks and the prefix's tail (positions 26..39)."""
     _full_of_finished_windows(srv)
     a = srv.admit()
     srv.run({a: 40})
     b = srv.admit(shared_from=a, shared=40)
     srv.run({b: 2})
+    return a, b
+
+
+def _shared_prefix_then_sharer_ends(srv: Server) -> int:
+    """A ends, then a prompt C prefills while B sits out: C's tokens take the out-of-window entries with the lowest
+    index first, which are A's."""
+    a, b = _b_on_a_s_prefix(srv)
     srv.finish(a)
     c = srv.admit()
     srv.run({c: 30})
@@ -193,13 +200,8 @@ def test_without_repinning_a_shared_prefix_loses_its_sinks(monkeypatch):
 
 
 def _shared_tail_then_owner_moves_on(srv: Server) -> int:
-    """B reuses A's 40-token prefix and its recent window covers the prefix's tail (positions 26-39); A's next
-    chunk (B sits out) moves A's window past positions 24-31, and A's new tokens want entries."""
-    _full_of_finished_windows(srv)
-    a = srv.admit()
-    srv.run({a: 40})
-    b = srv.admit(shared_from=a, shared=40)
-    srv.run({b: 2})
+    """A's next chunk (B sits out) moves A's window past positions 24-31, and A's new tokens want entries."""
+    a, b = _b_on_a_s_prefix(srv)
     srv.run({a: 8})
     return b
 
