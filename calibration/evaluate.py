@@ -100,18 +100,15 @@ def key_margin(step_logits: list[torch.Tensor], generated: list[int], target: li
     pass/fail of a trial: an INT2 cache that keeps a pass but halves its
     margin shows here.  ``nan`` if nothing was generated.
     """
-    worst = float("nan")
-    for i, want in enumerate(target):
-        if i >= len(step_logits) or i >= len(generated):
-            break
+    margins = []
+    for i, want in enumerate(target[:min(len(step_logits), len(generated))]):
         row = step_logits[i].reshape(-1).float()
         others = row.clone()
         others[want] = float("-inf")
-        m = float(row[want] - others.max())
-        worst = m if worst != worst else min(worst, m)
+        margins.append(float(row[want] - others.max()))
         if generated[i] != want:
             break
-    return worst
+    return min(margins, default=float("nan"))
 
 
 @torch.no_grad()
@@ -144,7 +141,7 @@ def niah(model, tokenizer, haystack: str, artifact: RotationArtifacts | None, le
                     hits.append(key in answer)
                     answers.append(answer.strip())
                     m = key_margin([s[0] for s in out.logits], new_ids, key_target(tokenizer, key))
-                    margins.append(round(m, 4) if m == m else None)
+                    margins.append(None if math.isnan(m) else round(m, 4))
                 rows.append({"length": length, "depth": depth, "accuracy": sum(hits) / trials, "hits": hits,
                              "keys": keys[li][di], "answers": answers, "margins": margins})
     return rows

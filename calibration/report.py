@@ -133,9 +133,10 @@ def plot_margins(results: dict, path: Path, title: str) -> bool:
     fig, ax = plt.subplots(figsize=(5.2, 4.6))
     vals = [m for m in ref if m is not None]
     for name in names:
-        pairs = [(a, b) for a, b in zip(ref, niah_margins(results[name]["niah"])) if a is not None and b is not None]
+        margins = niah_margins(results[name]["niah"])
+        pairs = [(a, b) for a, b in zip(ref, margins) if a is not None and b is not None]
         vals += [b for _, b in pairs]
-        change = paired_margin_change(ref, niah_margins(results[name]["niah"]))
+        change = paired_margin_change(ref, margins)
         label = name + (f" ({change[0]:+.2f} ± {change[1]:.2f})" if change else "")
         ax.scatter([a for a, _ in pairs], [b for _, b in pairs], s=18, alpha=0.75, label=label)
     lo, hi = min(vals) - 0.25, max(vals) + 0.25
