@@ -260,12 +260,24 @@ class HotSet:
             return
         length = self._req_len.index_select(0, rows)
         self._req_len.index_put_((rows,), self._zero)
-        plan = window_plan(length, length, 0, self.sink, self.recent, device=self.device)
-        if plan.keep_pos.shape[1]:
-            pos = torch.clamp(plan.keep_pos, max=req_to_token.shape[1] - 1)
-            slots = req_to_token[rows.to(req_to_token.device).unsqueeze(1), pos.to(req_to_token.device)]
-            self.retire(slots, plan.keep_mask)
+        if self.sink + self.recent:
+            self.retire(*self._window_slots(length, rows, req_to_token))
             self._repin(req_to_token)
+
+    def _window_slots(self, length: torch.Tensor, rows: torch.Tensor | None, req_to_token: torch.Tensor):
+        """Slots of the windows of request ``rows`` (None: every row) at ``length`` tokens, flat
+        ``[rows * (sink + recent)]``, and which of them are window positions (the layout of
+        :func:`window_plan`'s ``keep_pos`` with prefix = seq)."""
+        length = length.unsqueeze(1)
+        col, recent_col = _columns(self.sink, self.recent, self.device)
+        pos = torch.addcmul(col, torch.clamp(length - (self.sink + self.recent), min=0), recent_col)
+        live = pos < length
+        pos = torch.clamp(pos, max=req_to_token.shape[1] - 1).to(req_to_token.device)
+        if rows is None:
+            slots = torch.gather(req_to_token, 1, pos)
+        else:
+            slots = req_to_token[rows.to(req_to_token.device).unsqueeze(1), pos]
+        return slots.to(self.device).reshape(-1).long(), live.reshape(-1)
 
     def _repin(self, req_to_token: torch.Tensor) -> None:
         """Entries in the window of a live request get at least that request's last pass as stamp.
@@ -278,14 +290,9 @@ class HotSet:
         """
         if self.sink + self.recent == 0:
             return
-        length = self._req_len.unsqueeze(1)
-        col, recent_col = _columns(self.sink, self.recent, self.device)
-        pos = torch.addcmul(col, torch.clamp(length - (self.sink + self.recent), min=0), recent_col)
-        live = pos < length                                       # a position of a live request's window
-        pos = torch.clamp(pos, max=req_to_token.shape[1] - 1).to(req_to_token.device)
-        slots = torch.gather(req_to_token, 1, pos).to(self.device).reshape(-1)
-        entry = torch.where(live.reshape(-1), self._hot_index.index_select(0, slots), self._cold)
-        last = self._req_pass.unsqueeze(1).expand(pos.shape).reshape(-1)
+        slots, live = self._window_slots(self._req_len, None, req_to_token)   # live: in a live window
+        entry = torch.where(live, self._hot_index.index_select(0, slots), self._cold)
+        last = self._req_pass.unsqueeze(1).expand(-1, self.sink + self.recent).reshape(-1)
         index = entry.long().remainder(self._stamp.numel())      # -1 (no entry): the trash, last
         self._stamp.scatter_reduce_(0, index, last, "amax")
 
