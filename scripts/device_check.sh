@@ -36,6 +36,7 @@ mkdir -p "$OUT" "$RES"
 export PYTHONUNBUFFERED=1
 rc=0
 T0=$SECONDS
+DEVICE_LIMIT_S=${DEVICE_LIMIT_S:-590}   # the device tool's timeout_s (600) less a margin
 
 publish() {  # the latest reports and a tarball of everything into $OUT
     cp "$RES"/summary.txt "$OUT"/ 2>/dev/null
@@ -45,6 +46,12 @@ publish() {  # the latest reports and a tarball of everything into $OUT
     done
     tar czf "$OUT/device_check.tar.gz" -C "$WORK" results 2>/dev/null
 }
+# The device tool stops the command at its timeout_s and returns what $OUT holds then: publish every 20 s too,
+# so a step cut short still brings back its log and the reports written so far (serve_bench rewrites its own
+# after every run).
+( while sleep 20; do publish; done ) < /dev/null > /dev/null 2>&1 &   # holds no pipe of the caller's
+PUBLISHER=$!
+trap 'kill $PUBLISHER 2>/dev/null' EXIT
 wanted() { [ -z "${ONLY:-}" ] || [[ " env install models $ONLY " == *" $1 "* ]]; }
 step() {  # name, time limit (s), command...
     local name="$1" limit="$2"; shift 2
@@ -64,6 +71,7 @@ step() {  # name, time limit (s), command...
 GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1;
   ldd --version | head -1; nproc; free -g | head -2; df -h /tmp | tail -1;
+  echo \"ninja: \$(command -v ninja || echo none), nvcc: \$(command -v nvcc || echo none)\";
   $PY -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
     triton.__version__, transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"NO CUDA\")'"
 
@@ -85,14 +93,23 @@ fi
 # checkout's oscar_sglang/ folder never shadows the installed package (which maps kernels/ under it).
 cd "$WORK"
 
-step kernel_tests $([ "$GPU" = 1 ] && echo 100 || echo 400) "$PY" -m pytest -q -p no:cacheprovider \
+# Compiling is most of this step's time on the GPU (~1-2 s per kernel specialization, one CPU thread each):
+# spread the tests over workers with pytest-xdist, which the device image has.
+XDIST=()
+"$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n "$([ "$GPU" = 1 ] && echo 8 || echo 2)")
+step kernel_tests $([ "$GPU" = 1 ] && echo 100 || echo 400) "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
     --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
     "$ROOT"/tests/test_kernels_extend.py
 
 if [ "$HAVE_SGLANG" = 1 ]; then
     if [ "$GPU" = 1 ]; then
-        GEOM=llama3-8b; SERVE_LIMIT=300; SERVE=(--input-lens 8192 32768 --output-len 256 --kv-budget-gib 16
-                                                --time-limit 270 --run-timeout 100 --max-concurrency-cap 256)
+        # What is left of DEVICE_LIMIT_S (the device tool's timeout_s, less a margin), less what the kernel
+        # benchmark after it needs, between 150 and 420 s. 32k input first: every goal is stated at 32k.
+        reserve=0; wanted bench_kernels && reserve=150
+        serve_s=$(( DEVICE_LIMIT_S - (SECONDS - T0) - reserve - 30 ))
+        serve_s=$(( serve_s < 150 ? 150 : (serve_s > 420 ? 420 : serve_s) ))
+        GEOM=llama3-8b; SERVE_LIMIT=$((serve_s + 30)); SERVE=(--input-lens 32768 8192 --output-len 256
+            --kv-budget-gib 16 --time-limit "$serve_s" --run-timeout 120 --max-concurrency-cap 256)
     else
         GEOM=smollm2-135m; SERVE_LIMIT=480; SERVE=(--input-lens 256 --output-len 8 --kv-budget-gib 1
                                                    --time-limit 400 --run-timeout 200 --max-concurrency-cap 4)
@@ -124,6 +141,7 @@ if [ -d "$WORK/models" ]; then
         --tokens $([ "$GPU" = 1 ] && echo 8192 || echo 2048)
 fi
 echo "== done in $((SECONDS - T0)) s, rc=$rc" | tee -a "$RES/summary.txt"
+kill "$PUBLISHER" 2>/dev/null; wait "$PUBLISHER" 2>/dev/null
 publish
 rm -rf "$WORK"
 exit $rc

@@ -11,6 +11,7 @@
 #    installed into a fresh folder, `import sglang` and the plugins checked, the kernel tests (under
 #    Triton's interpreter here), the BF16 and oscar-int2 servers on a SmolLM2-geometry dummy model
 #    benchmarked by sglang.bench_serving (short prompts), the kernel benchmark's CPU smoke.
+# 3. Every kernel compiled for sm_90 by that venv's Triton 3.6 (out/dry_run/compile_check_sm90.txt).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -46,5 +47,18 @@ py=$venv/bin/python
 
 [ -f out/device_bundle/bundle.json ] || bash scripts/device/build_bundle.sh
 rm -rf "$out"
-OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} bash scripts/device_check.sh
-echo "[dry-run] done in $SECONDS s; results in $out"
+rc=0
+OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} bash scripts/device_check.sh || rc=$?
+# 3. Every kernel compiled for sm_90 by the device's Triton (3.6) down to a cubin: the GPU runs compiled kernels,
+#    which the interpreter above does not exercise (kernels/compile_check.py; ~1 min).
+site=$work/site
+rm -rf "$site"
+PYTHON=$py bash scripts/device/install_bundle.sh out/device_bundle "$site" > "$out/compile_check_install.log" 2>&1
+if ! (cd / && PYTHONPATH=$site OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$py" -m oscar_sglang.kernels.compile_check \
+      --arch 90) > "$out/compile_check_sm90.txt" 2>&1; then
+  echo "[dry-run] compile_check for sm_90 failed"
+  [ "$rc" = 0 ] && rc=1
+fi
+tail -n 3 "$out/compile_check_sm90.txt" | sed 's/^/[dry-run] sm_90 | /'
+echo "[dry-run] done in $SECONDS s (rc $rc); results in $out"
+exit "$rc"

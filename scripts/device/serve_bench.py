@@ -10,8 +10,14 @@ fixed KV memory budget (``--kv-budget-gib``, through ``OSCAR_SGLANG_KV_BUDGET_BY
   CUDA graphs on (decode graphs up to ``--cuda-graph-max-bs``, 128);
 * ``oscar-int2``: ``--kv-cache-dtype oscar-int2 --oscar-rotations R`` (the
   plugin's backend, decode CUDA graphs up to the same batch where the plugin
-  captures them; if that server fails to start on a GPU, it is measured again
-  with ``--disable-cuda-graph`` and the report says so).
+  captures them).
+
+Either server that fails on a GPU (does not start, or no run succeeds) is
+served again with the next remedy its log calls for, while time is left, and
+the report says which (:func:`next_remedy`): a JIT kernel that
+``SGLANG_CRASH_ON_JIT_COMPILE`` refused is compiled by the machine's nvcc
+(``jit``, kept for the servers after it), otherwise CUDA graphs are turned off
+(``eager``: neither server's graphs have run on a GPU before).
 
 For each, the capacity in tokens from ``/get_server_info``, then
 ``python -m sglang.bench_serving --backend sglang --dataset-name random`` at
@@ -19,7 +25,7 @@ each input length (output ``--output-len`` tokens, ``ignore_eos``) at
 concurrency 1 and at the largest concurrency the capacity allows
 (``capacity // (input + output)``, capped by ``--max-concurrency-cap``), one
 wave of requests each: output tokens/s, TTFT and ITL (median and p99).
-Outputs ``OUT/serve_bench.{md,json,png}``.  A global ``--time-limit`` skips
+Outputs ``OUT/serve_bench.{md,json,png}``, rewritten after every run.  A global ``--time-limit`` skips
 the remaining runs (recorded as skipped) so a lent GPU's minutes are not
 overrun.  Without CUDA (the dry run) the same code serves on SGLang's CPU
 engine (torch_native attention for BF16, no CUDA graphs).
@@ -40,6 +46,28 @@ from oscar_sglang.sglang import launcher
 from oscar_sglang.sglang.settings import ENV_KV_BUDGET
 
 CACHES = ("bf16", "oscar-int2")
+# sglang/kernels/jit/utils/compile/loader.py's message when the crash flag refuses a JIT build
+JIT_REFUSED = "SGLANG_CRASH_ON_JIT_COMPILE forbids compiling"
+REMEDIES = {
+    "jit": "SGLANG_CRASH_ON_JIT_COMPILE=0: nvcc compiles the JIT kernel the first start refused",
+    "eager": "--disable-cuda-graph: CUDA graphs off",
+}
+RETRY_MIN_S = 90  # a retry needs at least this much of the time limit left (an 8B dummy server starts in ~1 min)
+
+
+def next_remedy(log_text: str, tried, cpu: bool) -> str | None:
+    """What to change before serving a cache again after a failure, from its server log; None: nothing left.
+
+    On CPU (the dry run) nothing: there are no CUDA graphs, and a failure there is a bug to fix, not to
+    work around.
+    """
+    if cpu:
+        return None
+    if JIT_REFUSED in log_text and "jit" not in tried:
+        return "jit"
+    if "eager" not in tried:
+        return "eager"
+    return None
 
 
 def parse_args(argv=None):
@@ -98,13 +126,19 @@ def bench(url: str, args, input_len: int, concurrency: int, prompts: int, out_fi
     return {"wall_s": wall, **{k: rec.get(k) for k in keep}}
 
 
-def serve_and_bench(cache: str, args, deadline: float, cpu: bool) -> dict:
+def serve_and_bench(cache: str, args, deadline: float, cpu: bool, remedies=(), log: Path | None = None,
+                    progress=lambda res: None) -> dict:
+    """Serve one cache and run its benchmarks; ``progress(res)`` after the start and after every run."""
     env = launcher.server_env(cpu)
     if args.kv_budget_gib > 0:
         env[ENV_KV_BUDGET] = str(int(args.kv_budget_gib * 2**30))
-    log = args.out / f"server_{cache}{args.tag}.log"
-    flags = server_flags(cache, args, cpu) + list(getattr(args, "extra", []))
+    if "jit" in remedies:
+        env["SGLANG_CRASH_ON_JIT_COMPILE"] = "0"
+    log = log or args.out / f"server_{cache}{args.tag}.log"
+    flags = server_flags(cache, args, cpu) + (["--disable-cuda-graph"] if "eager" in remedies else [])
     res = {"cache": cache, "flags": flags, "runs": []}
+    if remedies:
+        res["remedies"] = list(remedies)
     t0 = time.perf_counter()
     with launcher.local_server(args.model, log, *flags, cpu=cpu, env=env,
                                timeout_s=max(30.0, deadline - time.perf_counter())) as url:
@@ -112,6 +146,7 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool) -> dict:
         res["capacity"] = launcher.capacity(url)
         res["startup_line"] = launcher.startup_line(log)
         print(f"[{cache}] ready in {res['start_s']:.0f} s, capacity {res['capacity']} tokens", flush=True)
+        progress(res)
         for input_len in args.input_lens:
             per_req = input_len + args.output_len
             most = min(res["capacity"] // per_req, args.max_concurrency_cap)
@@ -134,6 +169,45 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool) -> dict:
                     f"TTFT median {run['median_ttft_ms']:.0f} ms" if "output_throughput" in run
                     else run.get("skipped") or run.get("error", "")[-300:]), flush=True)
                 res["runs"].append(run)
+                progress(res)
+    return res
+
+
+def _failed(res: dict) -> bool:
+    return "error" in res or (bool(res["runs"]) and not any("output_throughput" in r for r in res["runs"])
+                              and any("error" in r for r in res["runs"]))
+
+
+def serve_with_remedies(cache: str, args, deadline: float, cpu: bool, sticky: list[str],
+                        progress=lambda res: None) -> dict:
+    """Serve and benchmark one cache; after a failure, again with the next remedy (:func:`next_remedy`).
+
+    The result of the last attempt, with ``attempts`` (each failed one's remedies and error) when there
+    were several; a ``jit`` remedy that worked is appended to ``sticky``.
+    """
+    remedies, attempts = list(sticky), []
+    while True:
+        log = args.out / (f"server_{cache}{args.tag}" + "".join(f"_{r}" for r in remedies[len(sticky):]) + ".log")
+        try:
+            res = serve_and_bench(cache, args, deadline, cpu, remedies, log, progress)
+        except (launcher.ServerError, OSError, RuntimeError) as e:
+            print(f"[{cache}] server failed: {str(e)[-2000:]}", flush=True)
+            res = {"cache": cache, "error": str(e)[-4000:], "runs": [], "remedies": list(remedies)}
+        if not _failed(res):
+            break
+        remedy = next_remedy(log.read_text(errors="replace") if log.exists() else "", remedies, cpu)
+        left = deadline - time.perf_counter()
+        if remedy is None or left < RETRY_MIN_S:
+            break
+        attempts.append({"remedies": list(remedies),
+                         "error": res.get("error") or next(r["error"] for r in res["runs"] if "error" in r)})
+        print(f"[{cache}] serving again with remedy {remedy!r} ({REMEDIES[remedy]}), {left:.0f} s left", flush=True)
+        remedies.append(remedy)
+    if attempts:
+        res["attempts"] = attempts
+        res["fallback"] = "; ".join(REMEDIES[r] for r in remedies) + " (after: " + attempts[-1]["error"][-600:] + ")"
+    if "jit" in remedies and "jit" not in sticky and not _failed(res):
+        sticky.append("jit")
     return res
 
 
@@ -165,7 +239,8 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
             if "output_throughput" in run:
                 lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | "
                              f"{run['output_throughput']:.1f} | {run['median_ttft_ms']:.0f} | {run['p99_ttft_ms']:.0f} | "
-                             f"{run['median_itl_ms']:.2f} | {run['p99_itl_ms']:.2f} | |")
+                             f"{run['median_itl_ms']:.2f} | {run['p99_itl_ms']:.2f} | "
+                             f"{'remedies: ' + ', '.join(r['remedies']) if r.get('remedies') else ''} |")
             else:
                 note = (run.get("skipped") or run.get("error", "")).replace("\n", " ").replace("|", "/")[:160]
                 lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | - | - | - | "
@@ -210,24 +285,11 @@ def main(argv=None) -> int:
     cpu = not launcher.cuda_visible()
     deadline = time.perf_counter() + args.time_limit
     results = []
+    sticky: list[str] = []  # remedies every later server gets too
     for cache in args.caches:
-        try:
-            results.append(serve_and_bench(cache, args, deadline, cpu))
-        except (launcher.ServerError, OSError, RuntimeError) as e:
-            print(f"[{cache}] server failed: {str(e)[-2000:]}", flush=True)
-            if cpu or cache != "oscar-int2" or deadline - time.perf_counter() < 90:
-                results.append({"cache": cache, "error": str(e)[-4000:], "runs": []})
-                continue
-            # The INT2 backend's CUDA graphs have never run on a GPU: measure it without them rather than not at all.
-            print(f"[{cache}] retrying with --disable-cuda-graph", flush=True)
-            args_eager = argparse.Namespace(**{**vars(args), "extra": ["--disable-cuda-graph"]})
-            try:
-                res = serve_and_bench(cache, args_eager, deadline, cpu)
-                res["fallback"] = "CUDA graphs off after the first start failed: " + str(e)[-1500:]
-                results.append(res)
-            except (launcher.ServerError, OSError, RuntimeError) as e2:
-                results.append({"cache": cache, "error": str(e)[-2000:] + "\n--- without CUDA graphs:\n"
-                                + str(e2)[-2000:], "runs": []})
+        # the report is rewritten after every run: a run cut short by the lent machine's limit keeps what it measured
+        results.append(serve_with_remedies(cache, args, deadline, cpu, sticky,
+                                           lambda res: write_report(results + [res], args, cpu)))
     write_report(results, args, cpu)
     print((args.out / f"serve_bench{args.tag}.md").read_text(), flush=True)
     ok = all("error" not in r and all("error" not in x for x in r["runs"]) for r in results)

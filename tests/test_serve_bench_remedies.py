@@ -1,0 +1,166 @@
+"""The GPU script's server benchmark serves a failed cache again with the remedy its log calls for.
+
+Neither server has run on a GPU; a lent machine gives ~15 minutes, so the
+script must recover by itself from the failures foreseen in docs/GPU.md (a JIT
+kernel refused by SGLANG_CRASH_ON_JIT_COMPILE, CUDA graphs that do not
+capture) instead of costing a rerun. Here the serving is replaced by a script
+of outcomes; what is checked is which remedies each attempt gets, in which
+order, when the ladder stops, and what the report says.
+"""
+
+import argparse
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "scripts" / "device" / "serve_bench.py")
+serve_bench = importlib.util.module_from_spec(_spec)
+sys.modules["serve_bench"] = serve_bench
+_spec.loader.exec_module(serve_bench)
+
+# the message SGLang 0.5.23's JIT loader raises under the crash flag (kernels/jit/utils/compile/loader.py)
+JIT_LOG = ("RuntimeError: JIT module 'store_cache' has no usable cached build under /root/.cache/x, and "
+           "SGLANG_CRASH_ON_JIT_COMPILE forbids compiling at runtime. Seed the cache with prebuilt artifacts")
+GRAPH_LOG = "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+
+
+def test_the_loader_still_words_its_refusal_as_matched():
+    loader = (ROOT / ".venv/lib/python3.11/site-packages/sglang/kernels/jit/utils/compile/loader.py")
+    if not loader.exists():
+        pytest.skip("SGLang is not installed in .venv")
+    assert serve_bench.JIT_REFUSED in loader.read_text()
+
+
+@pytest.mark.parametrize("log,tried,cpu,expected", [
+    (JIT_LOG, [], False, "jit"),
+    (JIT_LOG, ["jit"], False, "eager"),  # compiled, then something else broke
+    (GRAPH_LOG, [], False, "eager"),
+    (GRAPH_LOG, ["eager"], False, None),
+    (JIT_LOG, ["jit", "eager"], False, None),
+    (JIT_LOG, [], True, None),  # the dry run: a failure on CPU is a bug, not something to work around
+    ("", [], False, "eager"),
+])
+def test_next_remedy(log, tried, cpu, expected):
+    assert serve_bench.next_remedy(log, tried, cpu) == expected
+
+
+def _args(tmp_path, **kw):
+    return argparse.Namespace(out=tmp_path, tag="", **kw)
+
+
+class Outcomes:
+    """Stands in for serve_and_bench: one outcome per call, in order; records the remedies of each call."""
+
+    def __init__(self, *outcomes):
+        self.outcomes, self.calls = list(outcomes), []
+
+    def __call__(self, cache, args, deadline, cpu, remedies, log, progress=None):
+        self.calls.append((cache, list(remedies), log.name))
+        kind, text = self.outcomes.pop(0)
+        log.write_text(text)
+        if kind == "start":
+            raise serve_bench.launcher.ServerError(f"server exited with 1:\n{text}")
+        if kind == "runs":
+            return {"cache": cache, "runs": [{"input_len": 8, "concurrency": 1, "error": text}], "remedies": remedies}
+        return {"cache": cache, "runs": [{"input_len": 8, "concurrency": 1, "output_throughput": 1.0}],
+                "remedies": list(remedies)}
+
+
+def test_a_refused_jit_kernel_is_compiled_and_later_servers_start_with_it(tmp_path, monkeypatch):
+    fake = Outcomes(("start", JIT_LOG), ("ok", "fired up"), ("ok", "fired up"))
+    monkeypatch.setattr(serve_bench, "serve_and_bench", fake)
+    sticky = []
+    deadline = time.perf_counter() + 600
+    first = serve_bench.serve_with_remedies("bf16", _args(tmp_path), deadline, False, sticky)
+    second = serve_bench.serve_with_remedies("oscar-int2", _args(tmp_path), deadline, False, sticky)
+    assert fake.calls == [("bf16", [], "server_bf16.log"), ("bf16", ["jit"], "server_bf16_jit.log"),
+                          ("oscar-int2", ["jit"], "server_oscar-int2.log")]
+    assert sticky == ["jit"]
+    assert first["remedies"] == ["jit"] and len(first["attempts"]) == 1
+    assert "forbids compiling" in first["attempts"][0]["error"] and "nvcc" in first["fallback"]
+    assert "attempts" not in second
+    assert (tmp_path / "server_bf16.log").read_text() == JIT_LOG  # the failed attempt's log is kept
+
+
+def test_runs_that_all_fail_count_as_a_failure_and_graphs_go_off_last(tmp_path, monkeypatch):
+    fake = Outcomes(("runs", "bench_serving exited 1"), ("start", GRAPH_LOG))
+    monkeypatch.setattr(serve_bench, "serve_and_bench", fake)
+    res = serve_bench.serve_with_remedies("oscar-int2", _args(tmp_path), time.perf_counter() + 600, False, [])
+    assert [c[1] for c in fake.calls] == [[], ["eager"]]  # no JIT message: graphs off; then nothing is left
+    assert res["error"].endswith(GRAPH_LOG) and res["remedies"] == ["eager"]
+
+
+def test_a_remedy_that_did_not_help_is_not_kept_for_later_servers(tmp_path, monkeypatch):
+    fake = Outcomes(("start", JIT_LOG), ("start", GRAPH_LOG), ("start", GRAPH_LOG))
+    monkeypatch.setattr(serve_bench, "serve_and_bench", fake)
+    sticky = []
+    res = serve_bench.serve_with_remedies("bf16", _args(tmp_path), time.perf_counter() + 600, False, sticky)
+    assert [c[1] for c in fake.calls] == [[], ["jit"], ["jit", "eager"]]
+    assert sticky == [] and "error" in res and len(res["attempts"]) == 2
+
+
+def test_no_retry_on_cpu_or_without_time_left(tmp_path, monkeypatch):
+    fake = Outcomes(("start", JIT_LOG), ("start", JIT_LOG))
+    monkeypatch.setattr(serve_bench, "serve_and_bench", fake)
+    serve_bench.serve_with_remedies("bf16", _args(tmp_path), time.perf_counter() + 600, True, [])
+    serve_bench.serve_with_remedies("bf16", _args(tmp_path), time.perf_counter() + serve_bench.RETRY_MIN_S - 5,
+                                    False, [])
+    assert [c[1] for c in fake.calls] == [[], []]
+
+
+def test_a_success_with_some_runs_failing_is_not_retried(tmp_path, monkeypatch):
+    def one_of_two_fails(cache, args, deadline, cpu, remedies, log, progress=None):
+        log.write_text(JIT_LOG)
+        return {"cache": cache, "remedies": list(remedies),
+                "runs": [{"output_throughput": 3.0}, {"error": "bench_serving exited 1"}]}
+
+    monkeypatch.setattr(serve_bench, "serve_and_bench", one_of_two_fails)
+    res = serve_bench.serve_with_remedies("bf16", _args(tmp_path), time.perf_counter() + 600, False, [])
+    assert "attempts" not in res and res["remedies"] == []
+
+
+def test_the_report_names_the_remedies(tmp_path):
+    results = [{"cache": "bf16", "capacity": 1000, "start_s": 40.0, "remedies": ["eager"],
+                "fallback": "--disable-cuda-graph: CUDA graphs off (after: capture failed)",
+                "runs": [{"input_len": 8192, "concurrency": 1, "output_throughput": 50.0, "median_ttft_ms": 9.0,
+                          "p99_ttft_ms": 10.0, "median_itl_ms": 5.0, "p99_itl_ms": 6.0}]}]
+    args = argparse.Namespace(out=tmp_path, tag="", kv_budget_gib=16.0, mem_fraction_static=0.85, model=tmp_path,
+                              dummy=True, tp=1, output_len=256)
+    serve_bench.write_report(results, args, cpu=True)
+    md = (tmp_path / "serve_bench.md").read_text()
+    assert "| 5.00 | 6.00 | remedies: eager |" in md and "CUDA graphs off (after: capture failed)" in md
+
+
+def test_the_report_is_rewritten_after_every_run(tmp_path, monkeypatch):
+    """A run cut short by the device's limit keeps the report of every run finished before it."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def fake_server(model, log, *flags, **kw):
+        Path(log).write_text("The server is fired up")
+        yield "http://127.0.0.1:1"
+
+    seen = []
+
+    def fake_bench(url, args, input_len, conc, prompts, out_file):
+        md = tmp_path / "serve_bench.md"
+        seen.append(md.read_text() if md.exists() else "")
+        return {"wall_s": 1.0, "completed": prompts, "output_throughput": 10.0 * conc, "median_ttft_ms": 5.0,
+                "p99_ttft_ms": 6.0, "median_itl_ms": float(len(seen)), "p99_itl_ms": 9.0}
+
+    monkeypatch.setattr(serve_bench.launcher, "local_server", fake_server)
+    monkeypatch.setattr(serve_bench.launcher, "capacity", lambda url: 3 * (64 + 8))
+    monkeypatch.setattr(serve_bench.launcher, "startup_line", lambda log: "")
+    monkeypatch.setattr(serve_bench.launcher, "cuda_visible", lambda: False)
+    monkeypatch.setattr(serve_bench, "bench", fake_bench)
+    rc = serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
+                           "--out", str(tmp_path), "--input-lens", "64", "--output-len", "8", "--kv-budget-gib", "0"])
+    assert rc == 0 and len(seen) == 4  # bf16 x1, x3, then oscar-int2 x1, x3
+    assert "| bf16 | 216 |" in seen[0] and "| bf16 | 64 |" not in seen[0]  # started, no run yet
+    assert "| bf16 | 64 | 1 | 10.0 |" in seen[1] and "| bf16 | 64 | 3 |" not in seen[1]
+    assert "| bf16 | 64 | 3 | 30.0 |" in seen[2] and "| oscar-int2 | 216 |" in seen[2]
+    assert "| oscar-int2 | 64 | 1 | 10.0 | 5 | 6 | 3.00 |" in seen[3]
