@@ -19,7 +19,8 @@
 #                  bandwidth as a fraction of the measured copy bandwidth (scripts/bench_kernels.py)
 #   calibration    the calibration pipeline's time and memory for that geometry, random weights built on the
 #                  GPU, 8k tokens of the bundle's text (scripts/device/calibrate_bench.py)
-# Without CUDA (the dry run) the same steps run small: SmolLM2 geometry, short prompts, the interpreter.
+# Without CUDA (the dry run) the same steps run small: a 4-layer model of the GPU run's head shape (head_dim 128,
+# GQA 4:1; scripts/dummy_models.py llama-d128-small), short prompts, the interpreter.
 #
 # ONLY="kernel_tests servers" runs just those steps (env, install, models always run): a rerun of what failed.
 # Results: $OUT/summary.txt, the reports (serve_bench.*, bench_kernels.*) and device_check.tar.gz with
@@ -111,7 +112,7 @@ if [ "$HAVE_SGLANG" = 1 ]; then
         GEOM=llama3-8b; SERVE_LIMIT=$((serve_s + 30)); SERVE=(--input-lens 32768 8192 --output-len 256
             --kv-budget-gib 16 --time-limit "$serve_s" --run-timeout 120 --max-concurrency-cap 256)
     else
-        GEOM=smollm2-135m; SERVE_LIMIT=480; SERVE=(--input-lens 256 --output-len 8 --kv-budget-gib 1
+        GEOM=llama-d128-small; SERVE_LIMIT=480; SERVE=(--input-lens 256 --output-len 8 --kv-budget-gib 1
                                                    --time-limit 400 --run-timeout 200 --max-concurrency-cap 4)
     fi
     step models 60 "$PY" "$ROOT/scripts/dummy_models.py" --tokenizer "$BUNDLE/tokenizer" --out "$WORK/models" \
@@ -140,6 +141,8 @@ if [ -d "$WORK/models" ]; then
         --model "$WORK/models/$GEOM" --text "$BUNDLE/sharegpt_shakespeare.json" --out "$RES" \
         --tokens $([ "$GPU" = 1 ] && echo 8192 || echo 2048)
 fi
+# The four goals judged from the reports (measured value, goal, met or not): into the summary.
+{ echo "== goals (scripts/device/goals.py)"; "$PY" "$ROOT/scripts/device/goals.py" "$RES" 2>&1; } | tee -a "$RES/summary.txt"
 echo "== done in $((SECONDS - T0)) s, rc=$rc" | tee -a "$RES/summary.txt"
 kill "$PUBLISHER" 2>/dev/null; wait "$PUBLISHER" 2>/dev/null
 publish

@@ -7,6 +7,7 @@ the same attention in torch.  What the real library does is only checked on a GP
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -191,3 +192,10 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
     assert (tmp_path / "bench_kernels_cpu_smoke.png").stat().st_size > 0
     md = (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
     assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md and "INT4-K" in md
+    # the GPU-proof goals read this report's keys (scripts/device/goals.py), judged here from the longest context
+    spec = importlib.util.spec_from_file_location("goals", ROOT / "scripts" / "device" / "goals.py")
+    goals = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(goals)
+    bandwidth, batch1 = goals.kernel_goals(data, long=320)
+    assert bandwidth["measured"].count("d128 b") == 2 and "not measured" not in bandwidth["verdict"]
+    assert batch1["measured"].startswith("d128 320: ") and "x vs " in batch1["measured"]

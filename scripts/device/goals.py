@@ -1,0 +1,128 @@
+"""The GPU-proof issue's four goals, judged from one device run's reports: measured value, goal, met or not.
+
+    python scripts/device/goals.py RESULTS_DIR      # reads bench_kernels.json and serve_bench.json there
+
+1. INT2 decode kernel >= 75 % of the measured copy bandwidth at context >= 32k;
+2. INT2 decode >= 4x faster than the best BF16 baseline of the same run at batch 1, context >= 32k;
+3. end-to-end decode throughput (output tok/s) at each cache's largest concurrency >= 5x BF16's at 32k input;
+4. batch-1 ITL (median) no worse than BF16's.
+
+Goals 1-2 are judged on the Llama-3-8B head shape (head_dim 128) when the benchmark measured it, every
+case listed; a goal with no measured case says so instead of passing.  ``scripts/device_check.sh``
+appends the table to its summary.txt; the same command turns fetched results into docs/GPU.md's table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+LONG = 32768
+COPY_FRAC_GOAL = 0.75
+BATCH1_SPEEDUP_GOAL = 4.0
+THROUGHPUT_GOAL = 5.0
+
+
+def _verdict(ok: list[bool]) -> str:
+    if not ok:
+        return "not measured"
+    return "met" if all(ok) else ("not met" if not any(ok) else f"met in {sum(ok)} of {len(ok)}")
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+def _long_rows(kernels: dict, long: int) -> list[dict]:
+    rows = [r for r in kernels.get("decode", []) if r["context"] >= long]
+    d128 = [r for r in rows if r["d"] == 128]
+    return d128 or rows
+
+
+def kernel_goals(kernels: dict | None, long: int = LONG) -> list[dict]:
+    """Goals 1 and 2 from bench_kernels.json (``long``: the context from which they count)."""
+    if kernels is None:
+        return [{"goal": g, "measured": "no bench_kernels.json", "verdict": "not measured"} for g in (
+            f"INT2 decode >= {COPY_FRAC_GOAL:.0%} of copy bandwidth at context >= {_tokens(long)}",
+            f"INT2 decode >= {BATCH1_SPEEDUP_GOAL:g}x the best BF16 at batch 1, context >= {_tokens(long)}")]
+    rows = _long_rows(kernels, long)
+    frac = [(r, r["int2_copy_frac"]) for r in rows if r.get("int2_copy_frac") is not None]
+    batch1 = [r for r in rows if r["batch"] == 1]
+    return [
+        {"goal": f"INT2 decode >= {COPY_FRAC_GOAL:.0%} of copy bandwidth at context >= {_tokens(long)}",
+         "measured": "; ".join(f"d{r['d']} b{r['batch']} {_tokens(r['context'])}: {f:.0%}" for r, f in frac)
+         or f"no case at context >= {_tokens(long)}",
+         "verdict": _verdict([f >= COPY_FRAC_GOAL for _, f in frac])},
+        {"goal": f"INT2 decode >= {BATCH1_SPEEDUP_GOAL:g}x the best BF16 at batch 1, context >= {_tokens(long)}",
+         "measured": "; ".join(f"d{r['d']} {_tokens(r['context'])}: {r['speedup']:.2f}x vs {r['best_bf16']}"
+                               for r in batch1) or f"no batch-1 case at context >= {_tokens(long)}",
+         "verdict": _verdict([r["speedup"] >= BATCH1_SPEEDUP_GOAL for r in batch1])},
+    ]
+
+
+def _runs(serve: dict, cache: str) -> list[dict]:
+    for res in serve.get("results", []):
+        if res["cache"] == cache:
+            return [r for r in res.get("runs", []) if r.get("output_throughput") is not None]
+    return []
+
+
+def server_goals(serve: dict | None, long: int = LONG) -> list[dict]:
+    """Goals 3 and 4 from serve_bench.json (``long``: the input length goal 3 is judged at)."""
+    goal3 = f"decode tok/s at each cache's largest concurrency >= {THROUGHPUT_GOAL:g}x BF16's at {_tokens(long)} input"
+    goal4 = "batch-1 median ITL no worse than BF16's"
+    if serve is None:
+        return [{"goal": g, "measured": "no serve_bench.json", "verdict": "not measured"} for g in (goal3, goal4)]
+    bf16, int2 = _runs(serve, "bf16"), _runs(serve, "oscar-int2")
+
+    def largest(runs, input_len):
+        at = [r for r in runs if r["input_len"] == input_len and r["concurrency"] > 1]
+        return max(at, key=lambda r: r["concurrency"]) if at else None
+
+    b, i = largest(bf16, long), largest(int2, long)
+    if b and i:
+        ratio = i["output_throughput"] / b["output_throughput"]
+        m3 = (f"INT2 x{i['concurrency']} {i['output_throughput']:.0f} tok/s vs BF16 x{b['concurrency']} "
+              f"{b['output_throughput']:.0f} tok/s: {ratio:.2f}x")
+        v3 = _verdict([ratio >= THROUGHPUT_GOAL])
+    else:
+        m3, v3 = f"a largest-concurrency run at {_tokens(long)} input is missing for " + " and ".join(
+            n for n, x in (("BF16", b), ("INT2", i)) if x is None), "not measured"
+    pairs = []
+    for r in int2:
+        if r["concurrency"] == 1:
+            base = [x for x in bf16 if x["concurrency"] == 1 and x["input_len"] == r["input_len"]]
+            if base:
+                pairs.append((r["input_len"], r["median_itl_ms"], base[0]["median_itl_ms"]))
+    m4 = "; ".join(f"{_tokens(n)}: INT2 {a:.2f} ms vs BF16 {c:.2f} ms" for n, a, c in sorted(pairs)) \
+        or "no batch-1 run of both caches at the same input"
+    return [{"goal": goal3, "measured": m3, "verdict": v3},
+            {"goal": goal4, "measured": m4, "verdict": _verdict([a <= c for _, a, c in pairs])}]
+
+
+def markdown(goals: list[dict]) -> str:
+    lines = ["| goal | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {g['goal']} | {g['measured']} | {g['verdict']} |" for g in goals]
+    return "\n".join(lines) + "\n"
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", type=Path, help="folder with bench_kernels.json and serve_bench.json")
+    a = p.parse_args(argv)
+    goals = kernel_goals(_read(a.results / "bench_kernels.json")) + server_goals(_read(a.results / "serve_bench.json"))
+    print(markdown(goals), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
