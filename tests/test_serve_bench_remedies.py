@@ -164,3 +164,52 @@ def test_the_report_is_rewritten_after_every_run(tmp_path, monkeypatch):
     assert "| bf16 | 64 | 1 | 10.0 |" in seen[1] and "| bf16 | 64 | 3 |" not in seen[1]
     assert "| bf16 | 64 | 3 | 30.0 |" in seen[2] and "| oscar-int2 | 216 |" in seen[2]
     assert "| oscar-int2 | 64 | 1 | 10.0 | 5 | 6 | 3.00 |" in seen[3]
+
+
+def test_sigterm_stops_the_server_and_keeps_the_report(tmp_path):
+    """A step's ``timeout`` sends SIGTERM: the server (its own session, out of the kill's reach) must still be
+    stopped, or it holds the GPU's memory for the kernel benchmark after it; the runs done stay reported."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import contextlib, sys, time
+from pathlib import Path
+sys.path.insert(0, {str(ROOT / "scripts" / "device")!r})
+import serve_bench
+out = Path({str(tmp_path)!r})
+
+@contextlib.contextmanager
+def server(model, log, *flags, **kw):
+    try:
+        yield "http://127.0.0.1:1"
+    finally:
+        (out / "stopped").write_text("yes")
+
+calls = []
+def bench(url, args, input_len, conc, prompts, out_file):
+    calls.append(conc)
+    if len(calls) == 2:
+        (out / "second_run").write_text("")
+        time.sleep(60)
+    return dict(wall_s=1.0, completed=1, output_throughput=7.0, median_ttft_ms=1.0, p99_ttft_ms=1.0,
+                median_itl_ms=2.0, p99_itl_ms=3.0)
+
+serve_bench.launcher.local_server = server
+serve_bench.launcher.capacity = lambda url: 1000
+serve_bench.launcher.startup_line = lambda log: ""
+serve_bench.launcher.cuda_visible = lambda: False
+serve_bench.bench = bench
+sys.exit(serve_bench.main(["--model", str(out), "--rotations", str(out), "--dataset-path", str(out), "--out",
+                           str(out), "--input-lens", "64", "--output-len", "8", "--kv-budget-gib", "0"]))
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while not (tmp_path / "second_run").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, out.decode()[-2000:]
+    assert (tmp_path / "stopped").read_text() == "yes"
+    assert "| bf16 | 64 | 1 | 7.0 |" in (tmp_path / "serve_bench.md").read_text()

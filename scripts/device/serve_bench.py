@@ -37,6 +37,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -279,7 +280,14 @@ def plot(results: list[dict], path: Path, device: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _terminated(signum, frame):
+    """SIGTERM (a step's ``timeout``): unwind, so every server started is stopped (each runs in a session of its
+    own, which the step's kill does not reach, and would hold the GPU's memory for the steps after)."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     cpu = not launcher.cuda_visible()
