@@ -53,7 +53,9 @@ publish() {  # the latest reports and a tarball of everything into $OUT
 ( while sleep 20; do publish; done ) < /dev/null > /dev/null 2>&1 &   # holds no pipe of the caller's
 PUBLISHER=$!
 trap 'kill $PUBLISHER 2>/dev/null' EXIT
-stop_servers() {  # SGLang servers a killed step left behind run in sessions of their own and would hold the GPU
+# SGLang servers a killed step left behind run in sessions of their own and would hold the GPU. Every SGLang
+# server of the machine is stopped: on CPU (the dry run) do not run it beside tests that serve.
+stop_servers() {
     command -v pkill > /dev/null && pkill -9 -f 'sglang\.launch_server|^sglang::' 2> /dev/null && sleep 3
     return 0
 }
