@@ -22,7 +22,11 @@
 # Without CUDA (the dry run) the same steps run small: a 4-layer model of the GPU run's head shape (head_dim 128,
 # GQA 4:1; scripts/dummy_models.py llama-d128-small), short prompts, the interpreter.
 #
-# ONLY="kernel_tests servers" runs just those steps (env, install, models always run): a rerun of what failed.
+# ONLY="kernel_tests servers" runs just those steps (env always; install and models only for a step that needs
+# them: servers, calibration): a rerun of what failed. Knobs for a short rerun on the warm machine (see docs/GPU.md):
+#   DEVICE_LIMIT_S   the rerun's timeout_s less ~10 s (590 by default): the servers step plans inside it
+#   SERVE_CACHES     the servers to run, of "bf16 oscar-int2" (e.g. only oscar-int2 after a fix of ours)
+#   BENCH_BUDGET_S   the kernel benchmark's time budget (80 s; its step's limit is 50 s more)
 # Results: $OUT/summary.txt, the reports (serve_bench.*, bench_kernels.*) and device_check.tar.gz with
 # every log, refreshed after each step (the device tool brings back at most 8 files from $OUT).
 # Exit code: the first failing step's.
@@ -60,7 +64,11 @@ stop_servers() {
     return 0
 }
 stop_servers  # a previous run cut short by the device tool's limit (the machine stays warm for a rerun)
-wanted() { [ -z "${ONLY:-}" ] || [[ " env install models $ONLY " == *" $1 "* ]]; }
+if [ -n "${ONLY:-}" ]; then  # the steps that the chosen ones need
+    [[ " $ONLY " == *" servers "* ]] && ONLY="install models $ONLY"
+    [[ " $ONLY " == *" calibration "* ]] && ONLY="models $ONLY"
+fi
+wanted() { [ -z "${ONLY:-}" ] || [[ " env $ONLY " == *" $1 "* ]]; }
 step() {  # name, time limit (s), command...
     local name="$1" limit="$2"; shift 2
     if ! wanted "$name"; then echo "== $name: skipped (ONLY=$ONLY)" | tee -a "$RES/summary.txt"; return 0; fi
@@ -84,12 +92,13 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clo
     triton.__version__, transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"NO CUDA\")'"
 
 HAVE_SGLANG=0
-if [ -d "$BUNDLE/wheels" ] && step install 240 env PYTHON="$PY" bash "$ROOT/scripts/device/install_bundle.sh" "$BUNDLE" "$WORK/site"; then
+if [ -d "$BUNDLE/wheels" ] && wanted install && step install 240 env PYTHON="$PY" bash "$ROOT/scripts/device/install_bundle.sh" "$BUNDLE" "$WORK/site"; then
     # shellcheck source=scripts/device/server_env.sh
     source "$ROOT/scripts/device/server_env.sh" "$WORK/site"
     HAVE_SGLANG=1
 else
-    echo "== no bundle installed ($BUNDLE): server steps skipped; kernels from an import root of this checkout" \
+    why="no bundle at $BUNDLE"; [ -d "$BUNDLE/wheels" ] && why="the install step failed"; wanted install || why="ONLY=$ONLY"
+    echo "== SGLang not installed ($why): server steps skipped; kernels from an import root of this checkout" \
         | tee -a "$RES/summary.txt"
     PKG="$WORK/pkg"
     mkdir -p "$PKG"
@@ -109,28 +118,39 @@ step kernel_tests $([ "$GPU" = 1 ] && echo 100 || echo 400) "$PY" -m pytest -q -
     --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
     "$ROOT"/tests/test_kernels_extend.py
 
-if [ "$HAVE_SGLANG" = 1 ]; then
-    if [ "$GPU" = 1 ]; then
-        # What is left of DEVICE_LIMIT_S (the device tool's timeout_s, less a margin), less what the kernel
-        # benchmark after it needs, between 150 and 420 s. 32k input first: every goal is stated at 32k.
-        reserve=0; wanted bench_kernels && reserve=150
-        serve_s=$(( DEVICE_LIMIT_S - (SECONDS - T0) - reserve - 30 ))
-        serve_s=$(( serve_s < 150 ? 150 : (serve_s > 420 ? 420 : serve_s) ))
-        GEOM=llama3-8b; SERVE_LIMIT=$((serve_s + 30)); SERVE=(--input-lens 32768 8192 --output-len 256
-            --kv-budget-gib 16 --time-limit "$serve_s" --run-timeout 120 --max-concurrency-cap 256)
-    else
-        GEOM=llama-d128-small; SERVE_LIMIT=480; SERVE=(--input-lens 256 --output-len 8 --kv-budget-gib 1
-                                                   --time-limit 400 --run-timeout 200 --max-concurrency-cap 4)
-    fi
+# The model folder: dummy weights of the run's geometry and its Hadamard rotations (servers, calibration).
+if [ "$GPU" = 1 ]; then
+    # The servers get what is left of DEVICE_LIMIT_S (the device tool's timeout_s, less a margin), less what the
+    # kernel benchmark after them needs: 150-420 s in a whole run, never more than is left in a short rerun.
+    # 32k input first: every goal is stated at 32k.
+    reserve=0; wanted bench_kernels && reserve=$(( ${BENCH_BUDGET_S:-80} + 70 ))
+    GEOM=llama3-8b; SERVE=(--input-lens 32768 8192 --output-len 256 --kv-budget-gib 16 --run-timeout 120
+                           --max-concurrency-cap 256)
+else
+    GEOM=llama-d128-small; SERVE=(--input-lens 256 --output-len 8 --kv-budget-gib 1 --run-timeout 200
+                                  --max-concurrency-cap 4)
+fi
+HAVE_MODELS=0
+if [ -d "$BUNDLE/tokenizer" ] && wanted models; then
     step models 60 "$PY" "$ROOT/scripts/dummy_models.py" --tokenizer "$BUNDLE/tokenizer" --out "$WORK/models" \
-        --geometry "$GEOM" --hadamard \
-    && step servers "$SERVE_LIMIT" "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
+        --geometry "$GEOM" --hadamard && HAVE_MODELS=1
+fi
+if [ "$HAVE_SGLANG" = 1 ] && [ "$HAVE_MODELS" = 1 ]; then
+    if [ "$GPU" = 1 ]; then
+        left=$(( DEVICE_LIMIT_S - (SECONDS - T0) - 30 ))
+        serve_s=$(( left - reserve )); floor=$(( left < 150 ? left : 150 ))
+        serve_s=$(( serve_s < floor ? floor : (serve_s > 420 ? 420 : serve_s) ))
+    else
+        serve_s=400
+    fi
+    # shellcheck disable=SC2086  # SERVE_CACHES is a list of words
+    step servers $((serve_s + 30)) "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
         --rotations "$WORK/models/$GEOM-hadamard" --dummy --dataset-path "$BUNDLE/sharegpt_shakespeare.json" \
-        --out "$RES" "${SERVE[@]}"
+        --out "$RES" --time-limit "$serve_s" --caches ${SERVE_CACHES:-bf16 oscar-int2} "${SERVE[@]}"
     # Tensor parallelism on a machine with several GPUs: the INT2 server over 2 ranks (each rank serves the
     # rotations of its KV heads), 8k input only.
     if [ "$GPU" = 1 ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
-        step servers_tp2 "$SERVE_LIMIT" "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
+        step servers_tp2 $((serve_s + 30)) "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
             --rotations "$WORK/models/$GEOM-hadamard" --dummy --dataset-path "$BUNDLE/sharegpt_shakespeare.json" \
             --out "$RES" --caches oscar-int2 --tp 2 --tag _tp2 --input-lens 8192 --kv-budget-gib 16 --time-limit 240
     fi
@@ -138,7 +158,8 @@ if [ "$HAVE_SGLANG" = 1 ]; then
 fi
 
 if [ "$GPU" = 1 ]; then
-    step bench_kernels 130 "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --budget-s 80
+    step bench_kernels $(( ${BENCH_BUDGET_S:-80} + 50 )) "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" \
+        --budget-s "${BENCH_BUDGET_S:-80}"
 else
     step bench_kernels 300 "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --cpu-smoke
 fi
@@ -148,9 +169,11 @@ fi
 # built on the device, statistics captured there, the fit on the CPU (accuracy is not measured here).
 # On the GPU it gets what is left of DEVICE_LIMIT_S (at most 180 s), so the script ends before the tool stops it.
 cal_s=300; [ "$GPU" = 1 ] && cal_s=$(( DEVICE_LIMIT_S - (SECONDS - T0) )) && cal_s=$(( cal_s > 180 ? 180 : cal_s ))
-if [ -d "$WORK/models" ] && [ "$cal_s" -lt 30 ]; then
+if ! wanted calibration; then
+    echo "== calibration: skipped (ONLY=$ONLY)" | tee -a "$RES/summary.txt"
+elif [ "$HAVE_MODELS" = 1 ] && [ "$cal_s" -lt 30 ]; then
     echo "== calibration: skipped (${cal_s} s left of DEVICE_LIMIT_S)" | tee -a "$RES/summary.txt"
-elif [ -d "$WORK/models" ]; then
+elif [ "$HAVE_MODELS" = 1 ]; then
     step calibration "$cal_s" "$PY" "$ROOT/scripts/device/calibrate_bench.py" \
         --model "$WORK/models/$GEOM" --text "$BUNDLE/sharegpt_shakespeare.json" --out "$RES" \
         --tokens $([ "$GPU" = 1 ] && echo 8192 || echo 2048)

@@ -10,6 +10,7 @@ order, when the ladder stops, and what the report says.
 
 import argparse
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -146,7 +147,7 @@ def test_the_report_is_rewritten_after_every_run(tmp_path, monkeypatch):
 
     seen = []
 
-    def fake_bench(url, args, input_len, conc, prompts, out_file):
+    def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
         md = tmp_path / "serve_bench.md"
         seen.append(md.read_text() if md.exists() else "")
         return {"wall_s": 1.0, "completed": prompts, "output_throughput": 10.0 * conc, "median_ttft_ms": 5.0,
@@ -163,7 +164,7 @@ def test_the_report_is_rewritten_after_every_run(tmp_path, monkeypatch):
     assert "| bf16 | 216 |" in seen[0] and "| bf16 | 64 |" not in seen[0]  # started, no run yet
     assert "| bf16 | 64 | 1 | 10.0 |" in seen[1] and "| bf16 | 64 | 3 |" not in seen[1]
     assert "| bf16 | 64 | 3 | 30.0 |" in seen[2] and "| oscar-int2 | 216 |" in seen[2]
-    assert "| oscar-int2 | 64 | 1 | 10.0 | 5 | 6 | 3.00 |" in seen[3]
+    assert "| oscar-int2 | 64 | 1 | 10.0 | 333 | 5 | 6 | 3.00 |" in seen[3]  # decode tok/s: 1 x 1000 / 3 ms
 
 
 def test_sigterm_stops_the_server_and_keeps_the_report(tmp_path):
@@ -188,7 +189,7 @@ def server(model, log, *flags, **kw):
         (out / "stopped").write_text("yes")
 
 calls = []
-def bench(url, args, input_len, conc, prompts, out_file):
+def bench(url, args, input_len, conc, prompts, out_file, timeout=None):
     calls.append(conc)
     if len(calls) == 2:
         (out / "second_run").write_text("")
@@ -213,3 +214,43 @@ sys.exit(serve_bench.main(["--model", str(out), "--rotations", str(out), "--data
     assert proc.returncode == 128 + signal.SIGTERM, out.decode()[-2000:]
     assert (tmp_path / "stopped").read_text() == "yes"
     assert "| bf16 | 64 | 1 | 7.0 |" in (tmp_path / "serve_bench.md").read_text()
+
+
+def test_each_server_gets_a_share_and_its_largest_run_all_of_it(tmp_path, monkeypatch):
+    """BF16 first may use half of the time limit (a slow baseline cannot starve the INT2 server), the last server
+    all that is left; a concurrency-1 run is bounded by --run-timeout, a largest-concurrency run only by its
+    server's share."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def fake_server(model, log, *flags, **kw):
+        yield "http://127.0.0.1:1"
+
+    timeouts = []
+
+    def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
+        timeouts.append((conc, timeout))
+        return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_itl_ms": 4.0,
+                "p99_itl_ms": 5.0}
+
+    monkeypatch.setattr(serve_bench.launcher, "local_server", fake_server)
+    monkeypatch.setattr(serve_bench.launcher, "capacity", lambda url: 3 * (64 + 8))
+    monkeypatch.setattr(serve_bench.launcher, "startup_line", lambda log: "")
+    monkeypatch.setattr(serve_bench.launcher, "cuda_visible", lambda: False)
+    monkeypatch.setattr(serve_bench, "bench", fake_bench)
+    rc = serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
+                           "--out", str(tmp_path), "--input-lens", "64", "--output-len", "8", "--kv-budget-gib", "0",
+                           "--time-limit", "100", "--run-timeout", "20"])
+    assert rc == 0 and [c for c, _ in timeouts] == [1, 3, 1, 3]
+    (_, b1), (_, b3), (_, i1), (_, i3) = timeouts
+    assert b1 == 20 and i1 == 20  # --run-timeout
+    assert 43 <= b3 <= 45  # half of 100 s, less 5
+    assert 93 <= i3 <= 95  # the rest, less 5
+    report = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert [r["decode_tok_s"] for res in report["results"] for r in res["runs"]] == [250.0, 750.0, 250.0, 750.0]
+
+
+def test_cache_deadline_is_an_even_share_of_what_is_left():
+    assert serve_bench.cache_deadline(10.0, 110.0, 2) == 60.0
+    assert serve_bench.cache_deadline(10.0, 110.0, 1) == 110.0
+    assert serve_bench.cache_deadline(120.0, 110.0, 2) == 120.0  # nothing left: no time, not negative

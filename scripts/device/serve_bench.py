@@ -24,10 +24,23 @@ For each, the capacity in tokens from ``/get_server_info``, then
 each input length (output ``--output-len`` tokens, ``ignore_eos``) at
 concurrency 1 and at the largest concurrency the capacity allows
 (``capacity // (input + output)``, capped by ``--max-concurrency-cap``), one
-wave of requests each: output tokens/s, TTFT and ITL (median and p99).
+wave of requests each: output tokens/s, TTFT and ITL (median and p99), and
+the decode rate ``concurrency x 1000 / median ITL (ms)`` (:func:`decode_rate`).
 Outputs ``OUT/serve_bench.{md,json,png}``, rewritten after every run.  A global ``--time-limit`` skips
 the remaining runs (recorded as skipped) so a lent GPU's minutes are not
-overrun.  Without CUDA (the dry run) the same code serves on SGLang's CPU
+overrun; each server but the last gets at most an even share of what is left
+(:func:`cache_deadline`), so a slow baseline cannot starve the INT2 server, and
+a largest-concurrency run may use all of its server's time (``--run-timeout``
+bounds the concurrency-1 runs).
+
+Why the decode rate: one wave of N requests of 32k input and 256 output is
+mostly prefill, so output tokens / duration is about 256 / (the prefill time
+of one request) whatever N is, and cannot show what a bigger batch buys. A
+waiting prefill runs before the running decode batch in SGLang's scheduler, so
+each request's tokens come one decode step apart once every prefill is done
+(the prefill waits land in the tail, p99): the median ITL is the time of a
+decode step over the whole batch, and N / that step is the server's decode
+throughput.  Without CUDA (the dry run) the same code serves on SGLang's CPU
 engine (torch_native attention for BF16, no CUDA graphs).
 """
 
@@ -71,6 +84,17 @@ def next_remedy(log_text: str, tried, cpu: bool) -> str | None:
     return None
 
 
+def decode_rate(run: dict) -> float | None:
+    """Decode tokens/s of a run over all its requests: concurrency / median ITL (see the module's notes)."""
+    itl = run.get("median_itl_ms")
+    return run["concurrency"] * 1000.0 / itl if itl else None
+
+
+def cache_deadline(now: float, deadline: float, caches_left: int) -> float:
+    """When the next server's runs must end: an even share of what is left, all of it for the last server."""
+    return now + max(0.0, deadline - now) / max(1, caches_left)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True, help="model folder (config-only with --dummy)")
@@ -89,7 +113,8 @@ def parse_args(argv=None):
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (--tp-size) for every server")
     p.add_argument("--tag", default="", help="suffix of the output names (serve_bench<tag>.*)")
     p.add_argument("--time-limit", type=float, default=300.0, help="seconds for everything; later runs are skipped")
-    p.add_argument("--run-timeout", type=float, default=150.0, help="seconds for one bench_serving run")
+    p.add_argument("--run-timeout", type=float, default=150.0,
+                   help="seconds for a concurrency-1 bench_serving run (a largest-concurrency run may take all that is left)")
     return p.parse_args(argv)
 
 
@@ -109,7 +134,8 @@ def server_flags(cache: str, args, cpu: bool) -> list[str]:
     return flags
 
 
-def bench(url: str, args, input_len: int, concurrency: int, prompts: int, out_file: Path) -> dict:
+def bench(url: str, args, input_len: int, concurrency: int, prompts: int, out_file: Path,
+          timeout: float | None = None) -> dict:
     """One ``sglang.bench_serving`` run; its result record (JSON) plus the wall time."""
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
            "--dataset-name", "random", "--dataset-path", str(args.dataset_path), "--tokenizer", str(args.model),
@@ -117,7 +143,7 @@ def bench(url: str, args, input_len: int, concurrency: int, prompts: int, out_fi
            "--random-range-ratio", "1.0", "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
            "--request-rate", "inf", "--output-file", str(out_file), "--seed", str(input_len + concurrency)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or args.run_timeout)
     wall = time.perf_counter() - t0
     if proc.returncode != 0 or not out_file.exists():
         raise RuntimeError(f"bench_serving exited {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}")
@@ -160,9 +186,12 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool, remedies=(), l
                     run["skipped"] = f"time limit ({left:.0f} s left)"
                 else:
                     prompts = args.single_prompts if conc == 1 else conc
+                    # the largest concurrency is what the server is for: it may take all that is left
+                    timeout = min(args.run_timeout, left - 5) if conc == 1 else left - 5
                     try:
                         run.update(bench(url, args, input_len, conc, prompts,
-                                         args.out / f"bench_{cache}{args.tag}_{input_len}_{conc}.jsonl"))
+                                         args.out / f"bench_{cache}{args.tag}_{input_len}_{conc}.jsonl", timeout))
+                        run["decode_tok_s"] = decode_rate(run)
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         run["error"] = str(e)[-1500:]
                 print(f"[{cache}] input {input_len} x{conc}: " + (
@@ -233,26 +262,34 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
     lines += [f"| {r['cache']} | {r.get('capacity', '-')} | {r.get('start_s', float('nan')):.0f} |" for r in results]
     if by.get("bf16", {}).get("capacity") and by.get("oscar-int2", {}).get("capacity"):
         lines += ["", f"Capacity ratio INT2 / BF16: {by['oscar-int2']['capacity'] / by['bf16']['capacity']:.2f}x"]
-    lines += ["", "| cache | input | concurrency | out tok/s | TTFT median ms | TTFT p99 ms | ITL median ms | "
-                  "ITL p99 ms | note |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Decode tok/s = concurrency x 1000 / median ITL (ms): the rate of a decode step over the whole "
+                  "batch (a wave of long prompts is mostly prefill, which out tok/s = output tokens / duration "
+                  "counts in).",
+              "", "| cache | input | concurrency | out tok/s | decode tok/s | TTFT median ms | TTFT p99 ms | "
+                  "ITL median ms | ITL p99 ms | note |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for run in r.get("runs", []):
             if "output_throughput" in run:
                 lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | "
-                             f"{run['output_throughput']:.1f} | {run['median_ttft_ms']:.0f} | {run['p99_ttft_ms']:.0f} | "
+                             f"{run['output_throughput']:.1f} | {_num(decode_rate(run), '.0f')} | "
+                             f"{run['median_ttft_ms']:.0f} | {run['p99_ttft_ms']:.0f} | "
                              f"{run['median_itl_ms']:.2f} | {run['p99_itl_ms']:.2f} | "
                              f"{'remedies: ' + ', '.join(r['remedies']) if r.get('remedies') else ''} |")
             else:
                 note = (run.get("skipped") or run.get("error", "")).replace("\n", " ").replace("|", "/")[:160]
-                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | - | - | - | "
+                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | - | - | - | - | "
                              f"{note} |")
         if r.get("fallback"):
-            lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | {r['fallback'][:200].replace(chr(10), ' ').replace('|', '/')} |")
+            lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | - | {r['fallback'][:200].replace(chr(10), ' ').replace('|', '/')} |")
         if r.get("error"):
-            lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | server: "
+            lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | - | server: "
                          f"{r['error'][-300:].replace(chr(10), ' ').replace('|', '/')} |")
     (args.out / f"serve_bench{args.tag}.md").write_text("\n".join(lines) + "\n")
     plot(results, args.out / f"serve_bench{args.tag}.png", device)
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
 
 
 def plot(results: list[dict], path: Path, device: str) -> None:
@@ -263,15 +300,20 @@ def plot(results: list[dict], path: Path, device: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "output_throughput", "output tokens/s"),
-                           (axes[1], "median_itl_ms", "median ITL (ms)")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, key, title in ((axes[0], "output_throughput", "output tokens/s (whole run)"),
+                           (axes[1], "decode_tok_s", "decode tokens/s (concurrency / median ITL)"),
+                           (axes[2], "median_itl_ms", "median ITL (ms)")):
         labels, xs = [], 0
         for r in results:
-            runs = [x for x in r.get("runs", []) if key in x and x[key] is not None]
+            runs = [x for x in r.get("runs", []) if "output_throughput" in x]
             for run in runs:
-                ax.bar(xs, run[key], color="tab:blue" if r["cache"] == "bf16" else "tab:orange")
-                labels.append(f"{r['cache']}\n{run['input_len'] // 1024}k x{run['concurrency']}")
+                value = decode_rate(run) if key == "decode_tok_s" else run.get(key)
+                if value is None:
+                    continue
+                ax.bar(xs, value, color="tab:blue" if r["cache"] == "bf16" else "tab:orange")
+                n = run["input_len"]
+                labels.append(f"{r['cache']}\n{f'{n // 1024}k' if n >= 1024 else n} x{run['concurrency']}")
                 xs += 1
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
         ax.set_title(title)
@@ -294,9 +336,10 @@ def main(argv=None) -> int:
     deadline = time.perf_counter() + args.time_limit
     results = []
     sticky: list[str] = []  # remedies every later server gets too
-    for cache in args.caches:
+    for i, cache in enumerate(args.caches):
         # the report is rewritten after every run: a run cut short by the lent machine's limit keeps what it measured
-        results.append(serve_with_remedies(cache, args, deadline, cpu, sticky,
+        share = cache_deadline(time.perf_counter(), deadline, len(args.caches) - i)
+        results.append(serve_with_remedies(cache, args, share, cpu, sticky,
                                            lambda res: write_report(results + [res], args, cpu)))
     write_report(results, args, cpu)
     print((args.out / f"serve_bench{args.tag}.md").read_text(), flush=True)
