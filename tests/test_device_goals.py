@@ -73,6 +73,12 @@ def test_server_goals_from_serve_bench_report(tmp_path):
     # the goal is the decode rate, not output tokens / duration (a wave of 32k prompts is mostly prefill)
     slow_steps = _serve_json(tmp_path, [(32768, 3, 150.0, 9.0)], [(32768, 21, 800.0, 20.0)])
     assert goals.server_goals(slow_steps)[0]["verdict"] == "not met"
+    # the server's logged rate, when the report has it, is shown beside (the verdict stays the client's)
+    for res, (rate, running) in zip(serve["results"], ((310.0, 3), (1700.0, 20))):
+        for r in res["runs"]:
+            r.update(server_decode_tok_s=rate, max_running_req=running)
+    assert ("5.25x (server log: INT2 1700 tok/s with 20 running vs BF16 310 with 3, 5.48x; output tok/s"
+            in goals.server_goals(serve)[0]["measured"])
     assert itl["measured"] == "8k: INT2 6.20 ms vs BF16 6.00 ms; 32k: INT2 6.50 ms vs BF16 7.00 ms"
     assert itl["verdict"] == "met in 1 of 2"
 

@@ -25,7 +25,9 @@ each input length (output ``--output-len`` tokens, ``ignore_eos``) at
 concurrency 1 and at the largest concurrency the capacity allows
 (``capacity // (input + output)``, capped by ``--max-concurrency-cap``), one
 wave of requests each: output tokens/s, TTFT and ITL (median and p99), and
-the decode rate ``concurrency x 1000 / median ITL (ms)`` (:func:`decode_rate`).
+the decode rate ``concurrency x 1000 / median ITL (ms)`` (:func:`decode_rate`),
+and beside it the server's own: the best ``gen throughput`` its log printed
+during the run with the most requests running (:func:`decode_log_stats`).
 Outputs ``OUT/serve_bench.{md,json,png}``, rewritten after every run.  A global ``--time-limit`` skips
 the remaining runs (recorded as skipped) so a lent GPU's minutes are not
 overrun; each server but the last gets at most an even share of what is left
@@ -50,6 +52,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,6 +93,37 @@ def decode_rate(run: dict) -> float | None:
     return run["concurrency"] * 1000.0 / itl if itl else None
 
 
+# the scheduler's line every --decode-log-interval (40) decode steps
+# (sglang/srt/managers/scheduler_components/metrics_reporter.py; sglang/srt/debug_utils/log_parser.py parses it too)
+DECODE_LINE = re.compile(r"Decode batch(?: \[\d+\])?, #running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)")
+
+
+def decode_log_stats(text: str) -> dict:
+    """The server's own decode rate in a stretch of its log: the most requests it decoded at once, and the best
+    ``gen throughput`` logged with that many running (an interval with a prefill in it logs less)."""
+    lines = [(int(n), float(t)) for n, t in DECODE_LINE.findall(text)]
+    if not lines:
+        return {}
+    most = max(n for n, _ in lines)
+    return {"max_running_req": most, "server_decode_tok_s": max(t for n, t in lines if n == most)}
+
+
+def _log_size(log: Path) -> int:
+    try:
+        return log.stat().st_size
+    except OSError:
+        return 0
+
+
+def _log_since(log: Path, offset: int) -> str:
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def cache_deadline(now: float, deadline: float, caches_left: int) -> float:
     """When the next server's runs must end: an even share of what is left, all of it for the last server."""
     return now + max(0.0, deadline - now) / max(1, caches_left)
@@ -119,7 +153,10 @@ def parse_args(argv=None):
 
 
 def server_flags(cache: str, args, cpu: bool) -> list[str]:
+    # --decode-log-interval 10: the scheduler's gen-throughput line every 10 decode steps, not 40, so a run of
+    # 256 output tokens logs ~25 of them and some fall wholly inside the full batch's decoding (decode_log_stats)
     flags = ["--mem-fraction-static", str(args.mem_fraction_static), "--sampling-backend", "pytorch",
+             "--decode-log-interval", "10",
              "--grammar-backend", "none", "--context-length", str(max(args.input_lens) + args.output_len + 1024)]  # re-tokenized prompts drift
     if args.dummy:
         flags += ["--load-format", "dummy"]
@@ -188,10 +225,12 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool, remedies=(), l
                     prompts = args.single_prompts if conc == 1 else conc
                     # the largest concurrency is what the server is for: it may take all that is left
                     timeout = min(args.run_timeout, left - 5) if conc == 1 else left - 5
+                    offset = _log_size(log)
                     try:
                         run.update(bench(url, args, input_len, conc, prompts,
                                          args.out / f"bench_{cache}{args.tag}_{input_len}_{conc}.jsonl", timeout))
                         run["decode_tok_s"] = decode_rate(run)
+                        run.update(decode_log_stats(_log_since(log, offset)))
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         run["error"] = str(e)[-1500:]
                 print(f"[{cache}] input {input_len} x{conc}: " + (
@@ -265,24 +304,30 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
     lines += ["", "Decode tok/s = concurrency x 1000 / median ITL (ms): the rate of a decode step over the whole "
                   "batch (a wave of long prompts is mostly prefill, which out tok/s = output tokens / duration "
                   "counts in).",
-              "", "| cache | input | concurrency | out tok/s | decode tok/s | TTFT median ms | TTFT p99 ms | "
-                  "ITL median ms | ITL p99 ms | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "Server log: the best `gen throughput` SGLang's scheduler logged during the run (every 40 decode steps) "
+              "with the most requests running, and how many ran.",
+              "", "| cache | input | concurrency | out tok/s | decode tok/s | server log: tok/s (running) | "
+                  "TTFT median ms | TTFT p99 ms | ITL median ms | ITL p99 ms | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for run in r.get("runs", []):
             if "output_throughput" in run:
+                server = _num(run.get("server_decode_tok_s"), ".0f")
+                if "max_running_req" in run:
+                    server += f" ({run['max_running_req']})"
                 lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | "
-                             f"{run['output_throughput']:.1f} | {_num(decode_rate(run), '.0f')} | "
+                             f"{run['output_throughput']:.1f} | {_num(decode_rate(run), '.0f')} | {server} | "
                              f"{run['median_ttft_ms']:.0f} | {run['p99_ttft_ms']:.0f} | "
                              f"{run['median_itl_ms']:.2f} | {run['p99_itl_ms']:.2f} | "
                              f"{'remedies: ' + ', '.join(r['remedies']) if r.get('remedies') else ''} |")
             else:
                 note = (run.get("skipped") or run.get("error", "")).replace("\n", " ").replace("|", "/")[:160]
-                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | - | - | - | - | "
+                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | - | - | - | - | - | "
                              f"{note} |")
         if r.get("fallback"):
-            lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | - | {r['fallback'][:200].replace(chr(10), ' ').replace('|', '/')} |")
+            lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | - | - | {r['fallback'][:200].replace(chr(10), ' ').replace('|', '/')} |")
         if r.get("error"):
-            lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | - | server: "
+            lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | - | - | server: "
                          f"{r['error'][-300:].replace(chr(10), ' ').replace('|', '/')} |")
     (args.out / f"serve_bench{args.tag}.md").write_text("\n".join(lines) + "\n")
     plot(results, args.out / f"serve_bench{args.tag}.png", device)
@@ -320,6 +365,7 @@ def plot(results: list[dict], path: Path, device: str) -> None:
     fig.suptitle(f"SGLang server, BF16 vs oscar-int2 ({device})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _terminated(signum, frame):
