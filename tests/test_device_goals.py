@@ -87,6 +87,12 @@ def test_server_goals_say_what_is_missing(tmp_path):
     serve = _serve_json(tmp_path, [(32768, 1, 60.0, 7.0), (32768, 3, 150.0, 9.0)], [(8192, 1, 60.0, 6.2)])
     throughput, itl = goals.server_goals(serve)
     assert throughput["verdict"] == "not measured" and throughput["measured"].endswith("missing for INT2")
+    # INT2's wave cut by its timeout: still not measured, but what the server logged until then is said
+    serve["results"][1]["runs"].append({"input_len": 32768, "concurrency": 21, "error": "timed out",
+                                        "server_decode_tok_s": 1650.0, "max_running_req": 21})
+    throughput, _ = goals.server_goals(serve)
+    assert throughput["verdict"] == "not measured"
+    assert throughput["measured"].endswith("missing for INT2; INT2's was cut, its server logged 1650 tok/s with 21 running")
     assert itl["verdict"] == "not measured"
     assert [g["verdict"] for g in goals.server_goals(None)] == ["not measured", "not measured"]
 

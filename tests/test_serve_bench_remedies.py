@@ -315,3 +315,35 @@ def test_each_run_reports_the_servers_decode_rate_of_its_own_stretch_of_the_log(
     assert runs == [("bf16", 1, 100.0, 1), ("bf16", 3, 300.0, 3), ("oscar-int2", 1, 101.0, 1),
                     ("oscar-int2", 3, 301.0, 3)]
     assert "| oscar-int2 | 64 | 3 | 1.0 | 750 | 301 (3) |" in (tmp_path / "serve_bench.md").read_text()
+
+
+def test_a_run_cut_by_its_timeout_keeps_what_the_server_logged(tmp_path, monkeypatch):
+    """The INT2 wave of 32k prompts may outlast its share: the decode rate the server logged until then stays."""
+    import contextlib
+    import subprocess
+
+    @contextlib.contextmanager
+    def fake_server(model, log, *flags, **kw):
+        Path(log).write_text("")
+        yield "http://127.0.0.1:1"
+
+    def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
+        with open(tmp_path / "server_oscar-int2.log", "a") as f:
+            f.write(f"[2026-12-03 01:00:01] Decode batch, #running-req: {conc}, #token: 9, token usage: 0.00, "
+                    f"cuda graph: True, gen throughput (token/s): {123.0 * conc}, #queue-req: 0\n")
+        if conc > 1:
+            raise subprocess.TimeoutExpired(["bench_serving"], timeout)
+        return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_itl_ms": 4.0,
+                "p99_itl_ms": 5.0}
+
+    monkeypatch.setattr(serve_bench.launcher, "local_server", fake_server)
+    monkeypatch.setattr(serve_bench.launcher, "capacity", lambda url: 3 * (64 + 8))
+    monkeypatch.setattr(serve_bench.launcher, "startup_line", lambda log: "")
+    monkeypatch.setattr(serve_bench.launcher, "cuda_visible", lambda: False)
+    monkeypatch.setattr(serve_bench, "bench", fake_bench)
+    assert serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
+                             "--out", str(tmp_path), "--input-lens", "64", "--output-len", "8", "--kv-budget-gib", "0",
+                             "--caches", "oscar-int2"]) == 1
+    cut = json.loads((tmp_path / "serve_bench.json").read_text())["results"][0]["runs"][1]
+    assert "timed out" in cut["error"] and cut["server_decode_tok_s"] == 369.0 and cut["max_running_req"] == 3
+    assert "| oscar-int2 | 64 | 3 | - | - | 369 (3) | - | - | - | - | Command" in (tmp_path / "serve_bench.md").read_text()

@@ -70,11 +70,12 @@ def kernel_goals(kernels: dict | None, long: int = LONG) -> list[dict]:
     ]
 
 
+def _all_runs(serve: dict, cache: str) -> list[dict]:
+    return next((res.get("runs", []) for res in serve.get("results", []) if res["cache"] == cache), [])
+
+
 def _runs(serve: dict, cache: str) -> list[dict]:
-    for res in serve.get("results", []):
-        if res["cache"] == cache:
-            return [r for r in res.get("runs", []) if r.get("output_throughput") is not None]
-    return []
+    return [r for r in _all_runs(serve, cache) if r.get("output_throughput") is not None]
 
 
 def _decode(run: dict) -> float | None:
@@ -111,6 +112,12 @@ def server_goals(serve: dict | None, long: int = LONG) -> list[dict]:
     else:
         m3, v3 = f"a largest-concurrency run at {_tokens(long)} input is missing for " + " and ".join(
             n for n, x in (("BF16", b), ("INT2", i)) if x is None), "not measured"
+        for name, cache in (("BF16", "bf16"), ("INT2", "oscar-int2")):
+            cut = [r for r in _all_runs(serve, cache) if r["input_len"] == long and r["concurrency"] > 1
+                   and "output_throughput" not in r and r.get("server_decode_tok_s")]
+            if cut:
+                m3 += (f"; {name}'s was cut, its server logged {cut[-1]['server_decode_tok_s']:.0f} tok/s with "
+                       f"{cut[-1]['max_running_req']} running")
     pairs = []
     for r in int2:
         if r["concurrency"] == 1:

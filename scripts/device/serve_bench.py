@@ -230,9 +230,10 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool, remedies=(), l
                         run.update(bench(url, args, input_len, conc, prompts,
                                          args.out / f"bench_{cache}{args.tag}_{input_len}_{conc}.jsonl", timeout))
                         run["decode_tok_s"] = decode_rate(run)
-                        run.update(decode_log_stats(_log_since(log, offset)))
                     except (RuntimeError, subprocess.TimeoutExpired) as e:
                         run["error"] = str(e)[-1500:]
+                    # also for a run cut by its timeout: what the server decoded until then
+                    run.update(decode_log_stats(_log_since(log, offset)))
                 print(f"[{cache}] input {input_len} x{conc}: " + (
                     f"{run['output_throughput']:.1f} out tok/s, ITL median {run['median_itl_ms']:.2f} ms, "
                     f"TTFT median {run['median_ttft_ms']:.0f} ms" if "output_throughput" in run
@@ -322,8 +323,10 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
                              f"{'remedies: ' + ', '.join(r['remedies']) if r.get('remedies') else ''} |")
             else:
                 note = (run.get("skipped") or run.get("error", "")).replace("\n", " ").replace("|", "/")[:160]
-                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | - | - | - | - | - | "
-                             f"{note} |")
+                server = (f"{run['server_decode_tok_s']:.0f} ({run['max_running_req']})"
+                          if "server_decode_tok_s" in run else "-")
+                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | {server} | - | - | "
+                             f"- | - | {note} |")
         if r.get("fallback"):
             lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | - | - | {r['fallback'][:200].replace(chr(10), ' ').replace('|', '/')} |")
         if r.get("error"):
