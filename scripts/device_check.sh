@@ -3,7 +3,8 @@
 # 5.17, nvcc; no sglang, no network). Build the carry bundle first, here: bash scripts/device/build_bundle.sh
 #
 #   device tool:  run  command="bash scripts/device_check.sh"  carry=["out/device_bundle"]  timeout_s=600
-#   (steps' limits add up to ~12 min at worst; expected ~8; the calibration step comes last)
+#   (planned inside DEVICE_LIMIT_S, 590 s: the servers take what the steps before leave, less 150 s kept for the
+#   kernel benchmark; the calibration step comes last with what is left)
 #   on CPU:       bash scripts/device/dry_run.sh   (a device-like Python 3.12 venv, then this script)
 #
 # Steps (each logged, each with its own time limit; a failing step does not stop the others):
@@ -13,8 +14,9 @@
 #                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout
 #   kernel_tests   every Triton kernel (write, decode, extend) natively against its torch reference
 #   servers        the real SGLang servers, BF16 (triton backend, CUDA graphs) vs oscar-int2, dummy weights
-#                  of Llama-3-8B geometry, same KV budget: capacity, then sglang.bench_serving at 8k and
-#                  32k input, concurrency 1 and the largest each capacity allows (scripts/device/serve_bench.py)
+#                  of Llama-3-8B geometry, same KV budget: capacity, then sglang.bench_serving at 32k and
+#                  8k input, concurrency 1 and the largest each capacity allows: output and decode tok/s, TTFT,
+#                  ITL (scripts/device/serve_bench.py)
 #   bench_kernels  INT2 decode vs the best BF16 decode (Triton split-K, SDPA flash, FlashInfer if there),
 #                  bandwidth as a fraction of the measured copy bandwidth (scripts/bench_kernels.py)
 #   calibration    the calibration pipeline's time and memory for that geometry, random weights built on the
@@ -25,7 +27,7 @@
 # ONLY="kernel_tests servers" runs just those steps (env always; install and models only for a step that needs
 # them: servers, calibration): a rerun of what failed. Knobs for a short rerun on the warm machine (see docs/GPU.md):
 #   DEVICE_LIMIT_S   the rerun's timeout_s less ~10 s (590 by default): the servers step plans inside it
-#   SERVE_CACHES     the servers to run, of "bf16 oscar-int2" (e.g. only oscar-int2 after a fix of ours)
+#   SERVE_CACHES     the servers to run, of "bf16 oscar-int2" (e.g. only oscar-int2 when BF16's numbers are in)
 #   BENCH_BUDGET_S   the kernel benchmark's time budget (80 s; its step's limit is 50 s more)
 # Results: $OUT/summary.txt, the reports (serve_bench.*, bench_kernels.*) and device_check.tar.gz with
 # every log, refreshed after each step (the device tool brings back at most 8 files from $OUT).
