@@ -136,15 +136,28 @@ def test_the_report_names_the_remedies(tmp_path):
     assert "| 5.00 | 6.00 | remedies: eager |" in md and "CUDA graphs off (after: capture failed)" in md
 
 
-def test_the_report_is_rewritten_after_every_run(tmp_path, monkeypatch):
-    """A run cut short by the device's limit keeps the report of every run finished before it."""
+def _serve_main(tmp_path, monkeypatch, fake_bench, *extra, log_text=""):
+    """serve_bench's real main over a fake server (capacity 3 requests of 64 + 8 tokens, its log started with
+    ``log_text``) and ``fake_bench`` for bench_serving; input 64, output 8. Returns main's exit code."""
     import contextlib
 
     @contextlib.contextmanager
     def fake_server(model, log, *flags, **kw):
-        Path(log).write_text("The server is fired up")
+        Path(log).write_text(log_text)
         yield "http://127.0.0.1:1"
 
+    monkeypatch.setattr(serve_bench.launcher, "local_server", fake_server)
+    monkeypatch.setattr(serve_bench.launcher, "capacity", lambda url: 3 * (64 + 8))
+    monkeypatch.setattr(serve_bench.launcher, "startup_line", lambda log: "")
+    monkeypatch.setattr(serve_bench.launcher, "cuda_visible", lambda: False)
+    monkeypatch.setattr(serve_bench, "bench", fake_bench)
+    return serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
+                             "--out", str(tmp_path), "--input-lens", "64", "--output-len", "8", "--kv-budget-gib", "0",
+                             *extra])
+
+
+def test_the_report_is_rewritten_after_every_run(tmp_path, monkeypatch):
+    """A run cut short by the device's limit keeps the report of every run finished before it."""
     seen = []
 
     def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
@@ -153,13 +166,7 @@ def test_the_report_is_rewritten_after_every_run(tmp_path, monkeypatch):
         return {"wall_s": 1.0, "completed": prompts, "output_throughput": 10.0 * conc, "median_ttft_ms": 5.0,
                 "p99_ttft_ms": 6.0, "median_itl_ms": float(len(seen)), "p99_itl_ms": 9.0}
 
-    monkeypatch.setattr(serve_bench.launcher, "local_server", fake_server)
-    monkeypatch.setattr(serve_bench.launcher, "capacity", lambda url: 3 * (64 + 8))
-    monkeypatch.setattr(serve_bench.launcher, "startup_line", lambda log: "")
-    monkeypatch.setattr(serve_bench.launcher, "cuda_visible", lambda: False)
-    monkeypatch.setattr(serve_bench, "bench", fake_bench)
-    rc = serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
-                           "--out", str(tmp_path), "--input-lens", "64", "--output-len", "8", "--kv-budget-gib", "0"])
+    rc = _serve_main(tmp_path, monkeypatch, fake_bench, log_text="The server is fired up")
     assert rc == 0 and len(seen) == 4  # bf16 x1, x3, then oscar-int2 x1, x3
     assert "| bf16 | 216 |" in seen[0] and "| bf16 | 64 |" not in seen[0]  # started, no run yet
     assert "| bf16 | 64 | 1 | 10.0 |" in seen[1] and "| bf16 | 64 | 3 |" not in seen[1]
@@ -220,12 +227,6 @@ def test_each_server_gets_a_share_and_its_largest_run_all_of_it(tmp_path, monkey
     """BF16 first may use half of the time limit (a slow baseline cannot starve the INT2 server), the last server
     all that is left; a concurrency-1 run is bounded by --run-timeout, a largest-concurrency run only by its
     server's share."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def fake_server(model, log, *flags, **kw):
-        yield "http://127.0.0.1:1"
-
     timeouts = []
 
     def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
@@ -233,14 +234,7 @@ def test_each_server_gets_a_share_and_its_largest_run_all_of_it(tmp_path, monkey
         return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_itl_ms": 4.0,
                 "p99_itl_ms": 5.0}
 
-    monkeypatch.setattr(serve_bench.launcher, "local_server", fake_server)
-    monkeypatch.setattr(serve_bench.launcher, "capacity", lambda url: 3 * (64 + 8))
-    monkeypatch.setattr(serve_bench.launcher, "startup_line", lambda log: "")
-    monkeypatch.setattr(serve_bench.launcher, "cuda_visible", lambda: False)
-    monkeypatch.setattr(serve_bench, "bench", fake_bench)
-    rc = serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
-                           "--out", str(tmp_path), "--input-lens", "64", "--output-len", "8", "--kv-budget-gib", "0",
-                           "--time-limit", "100", "--run-timeout", "20"])
+    rc = _serve_main(tmp_path, monkeypatch, fake_bench, "--time-limit", "100", "--run-timeout", "20")
     assert rc == 0 and [c for c, _ in timeouts] == [1, 3, 1, 3]
     (_, b1), (_, b3), (_, i1), (_, i3) = timeouts
     assert b1 == 20 and i1 == 20  # --run-timeout
@@ -284,15 +278,6 @@ def test_the_scheduler_still_writes_the_decode_line_as_matched():
 
 
 def test_each_run_reports_the_servers_decode_rate_of_its_own_stretch_of_the_log(tmp_path, monkeypatch):
-    import contextlib
-
-    @contextlib.contextmanager
-    def fake_server(model, log, *flags, **kw):
-        # a warm-up line before any run, faster than any run: must not be counted
-        Path(log).write_text("[2026-12-03 01:00:00] Decode batch, #running-req: 3, #token: 9, token usage: 0.00, "
-                             "cuda graph: True, gen throughput (token/s): 99999.00, #queue-req: 0\n")
-        yield "http://127.0.0.1:1"
-
     def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
         cache = out_file.name.split("_")[1]
         with open(tmp_path / f"server_{cache}.log", "a") as f:
@@ -302,14 +287,10 @@ def test_each_run_reports_the_servers_decode_rate_of_its_own_stretch_of_the_log(
         return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_itl_ms": 4.0,
                 "p99_itl_ms": 5.0}
 
-    monkeypatch.setattr(serve_bench.launcher, "local_server", fake_server)
-    monkeypatch.setattr(serve_bench.launcher, "capacity", lambda url: 3 * (64 + 8))
-    monkeypatch.setattr(serve_bench.launcher, "startup_line", lambda log: "")
-    monkeypatch.setattr(serve_bench.launcher, "cuda_visible", lambda: False)
-    monkeypatch.setattr(serve_bench, "bench", fake_bench)
-    assert serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
-                             "--out", str(tmp_path), "--input-lens", "64", "--output-len", "8",
-                             "--kv-budget-gib", "0"]) == 0
+    # a warm-up line before any run, faster than any run: must not be counted
+    warm_up = ("[2026-12-03 01:00:00] Decode batch, #running-req: 3, #token: 9, token usage: 0.00, "
+               "cuda graph: True, gen throughput (token/s): 99999.00, #queue-req: 0\n")
+    assert _serve_main(tmp_path, monkeypatch, fake_bench, log_text=warm_up) == 0
     runs = [(res["cache"], r["concurrency"], r["server_decode_tok_s"], r["max_running_req"])
             for res in json.loads((tmp_path / "serve_bench.json").read_text())["results"] for r in res["runs"]]
     assert runs == [("bf16", 1, 100.0, 1), ("bf16", 3, 300.0, 3), ("oscar-int2", 1, 101.0, 1),
@@ -319,13 +300,7 @@ def test_each_run_reports_the_servers_decode_rate_of_its_own_stretch_of_the_log(
 
 def test_a_run_cut_by_its_timeout_keeps_what_the_server_logged(tmp_path, monkeypatch):
     """The INT2 wave of 32k prompts may outlast its share: the decode rate the server logged until then stays."""
-    import contextlib
     import subprocess
-
-    @contextlib.contextmanager
-    def fake_server(model, log, *flags, **kw):
-        Path(log).write_text("")
-        yield "http://127.0.0.1:1"
 
     def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
         with open(tmp_path / "server_oscar-int2.log", "a") as f:
@@ -336,14 +311,7 @@ def test_a_run_cut_by_its_timeout_keeps_what_the_server_logged(tmp_path, monkeyp
         return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_itl_ms": 4.0,
                 "p99_itl_ms": 5.0}
 
-    monkeypatch.setattr(serve_bench.launcher, "local_server", fake_server)
-    monkeypatch.setattr(serve_bench.launcher, "capacity", lambda url: 3 * (64 + 8))
-    monkeypatch.setattr(serve_bench.launcher, "startup_line", lambda log: "")
-    monkeypatch.setattr(serve_bench.launcher, "cuda_visible", lambda: False)
-    monkeypatch.setattr(serve_bench, "bench", fake_bench)
-    assert serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
-                             "--out", str(tmp_path), "--input-lens", "64", "--output-len", "8", "--kv-budget-gib", "0",
-                             "--caches", "oscar-int2"]) == 1
+    assert _serve_main(tmp_path, monkeypatch, fake_bench, "--caches", "oscar-int2") == 1
     cut = json.loads((tmp_path / "serve_bench.json").read_text())["results"][0]["runs"][1]
     assert "timed out" in cut["error"] and cut["server_decode_tok_s"] == 369.0 and cut["max_running_req"] == 3
     assert "| oscar-int2 | 64 | 3 | - | - | 369 (3) | - | - | - | - | Command" in (tmp_path / "serve_bench.md").read_text()
