@@ -93,8 +93,9 @@ def decode_rate(run: dict) -> float | None:
     return run["concurrency"] * 1000.0 / itl if itl else None
 
 
-# the scheduler's line every --decode-log-interval (40) decode steps
-# (sglang/srt/managers/scheduler_components/metrics_reporter.py; sglang/srt/debug_utils/log_parser.py parses it too)
+# the scheduler's line every --decode-log-interval decode steps (40 by default, 10 in server_flags)
+# (sglang/srt/managers/scheduler_components/metrics_reporter.py; the pieces matched are checked against it in
+# tests/test_serve_bench_remedies.py)
 DECODE_LINE = re.compile(r"Decode batch(?: \[\d+\])?, #running-req: (\d+),.*?gen throughput \(token/s\): ([0-9.]+)")
 
 
@@ -305,7 +306,7 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
     lines += ["", "Decode tok/s = concurrency x 1000 / median ITL (ms): the rate of a decode step over the whole "
                   "batch (a wave of long prompts is mostly prefill, which out tok/s = output tokens / duration "
                   "counts in).",
-              "Server log: the best `gen throughput` SGLang's scheduler logged during the run (every 40 decode steps) "
+              "Server log: the best `gen throughput` SGLang's scheduler logged during the run (every 10 decode steps) "
               "with the most requests running, and how many ran.",
               "", "| cache | input | concurrency | out tok/s | decode tok/s | server log: tok/s (running) | "
                   "TTFT median ms | TTFT p99 ms | ITL median ms | ITL p99 ms | note |",
@@ -313,19 +314,14 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
     for r in results:
         for run in r.get("runs", []):
             if "output_throughput" in run:
-                server = _num(run.get("server_decode_tok_s"), ".0f")
-                if "max_running_req" in run:
-                    server += f" ({run['max_running_req']})"
                 lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | "
-                             f"{run['output_throughput']:.1f} | {_num(decode_rate(run), '.0f')} | {server} | "
+                             f"{run['output_throughput']:.1f} | {_num(decode_rate(run), '.0f')} | {_server_rate(run)} | "
                              f"{run['median_ttft_ms']:.0f} | {run['p99_ttft_ms']:.0f} | "
                              f"{run['median_itl_ms']:.2f} | {run['p99_itl_ms']:.2f} | "
                              f"{'remedies: ' + ', '.join(r['remedies']) if r.get('remedies') else ''} |")
             else:
                 note = (run.get("skipped") or run.get("error", "")).replace("\n", " ").replace("|", "/")[:160]
-                server = (f"{run['server_decode_tok_s']:.0f} ({run['max_running_req']})"
-                          if "server_decode_tok_s" in run else "-")
-                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | {server} | - | - | "
+                lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | {_server_rate(run)} | - | - | "
                              f"- | - | {note} |")
         if r.get("fallback"):
             lines.append(f"| {r['cache']} | - | - | - | - | - | - | - | - | - | {r['fallback'][:200].replace(chr(10), ' ').replace('|', '/')} |")
@@ -338,6 +334,13 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
 
 def _num(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
+
+
+def _server_rate(run: dict) -> str:
+    """The report's server-log cell: tok/s (requests running), or '-'."""
+    if "server_decode_tok_s" not in run:
+        return "-"
+    return f"{run['server_decode_tok_s']:.0f} ({run['max_running_req']})"
 
 
 def plot(results: list[dict], path: Path, device: str) -> None:
