@@ -29,6 +29,9 @@
 #   DEVICE_LIMIT_S   the rerun's timeout_s less ~10 s (590 by default): the servers step plans inside it
 #   SERVE_CACHES     the servers to run, of "bf16 oscar-int2" (e.g. only oscar-int2 when BF16's numbers are in)
 #   BENCH_BUDGET_S   the kernel benchmark's time budget (80 s; its step's limit is 50 s more)
+# Without CUDA only: INTERPRETER_PYTHONPATH goes first on the path of the two steps that run Triton's interpreter
+# (kernel_tests, bench_kernels); the dry run puts numpy < 2.3 there, since triton 3.6's interpreter fails on
+# numpy >= 2.4 (a loaded scalar is a 1-element array to it, and int() of one is an error since numpy 2.4).
 # Results: $OUT/summary.txt, the reports (serve_bench.*, bench_kernels.*) and device_check.tar.gz with
 # every log, refreshed after each step (the device tool brings back at most 8 files from $OUT).
 # Exit code: the first failing step's.
@@ -116,7 +119,10 @@ cd "$WORK"
 # spread the tests over workers with pytest-xdist, which the device image has.
 XDIST=()
 "$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n "$([ "$GPU" = 1 ] && echo 8 || echo 2)")
-step kernel_tests $([ "$GPU" = 1 ] && echo 100 || echo 400) "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+# The steps that run Triton's interpreter where there is no GPU, with INTERPRETER_PYTHONPATH first (see the top).
+INTERP=()
+[ "$GPU" = 1 ] || [ -z "${INTERPRETER_PYTHONPATH:-}" ] || INTERP=(env "PYTHONPATH=$INTERPRETER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}")
+step kernel_tests $([ "$GPU" = 1 ] && echo 100 || echo 400) "${INTERP[@]}" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
     --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
     "$ROOT"/tests/test_kernels_extend.py
 
@@ -163,7 +169,7 @@ if [ "$GPU" = 1 ]; then
     step bench_kernels $(( ${BENCH_BUDGET_S:-80} + 50 )) "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" \
         --budget-s "${BENCH_BUDGET_S:-80}"
 else
-    step bench_kernels 300 "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --cpu-smoke
+    step bench_kernels 300 "${INTERP[@]}" "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --cpu-smoke
 fi
 # The issue's four goals judged from the reports (measured value, goal, met or not): into the summary.
 { echo "== goals (scripts/device/goals.py)"; "$PY" "$ROOT/scripts/device/goals.py" "$RES" 2>&1; } | tee -a "$RES/summary.txt"

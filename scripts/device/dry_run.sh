@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Dry run, on this CPU machine, of what scripts/device_check.sh does on the GPU test machine:
 #
-#   bash scripts/device/dry_run.sh          # ~10 min (+3 min the first time, for the venv); results in out/dry_run/
+#   bash scripts/device/dry_run.sh          # ~5 min (+3 min the first time, for the venv); results in out/dry_run/
 #
 # 1. A Python 3.12 venv like the GPU machine's: torch 2.11.0 (+ torchvision, torchaudio), triton 3.6.0,
 #    transformers 5.17.0 and the machine's other packages (scripts/device/device_like_requirements.txt),
 #    minus every package the bundle carries, so a wheel missing from the bundle fails here first.
-#    Kept between runs (stamped).
+#    Kept between runs (stamped). Beside it, numpy < 2.3 in a folder of its own, put first on the path of the
+#    two steps that run Triton's interpreter here (INTERPRETER_PYTHONPATH): triton 3.6's interpreter fails on
+#    numpy >= 2.4 (the device's is 2.5), which the GPU never meets, since it runs compiled kernels.
 # 2. scripts/device_check.sh with that Python, exactly as on the device: the bundle (built if missing)
 #    installed into a fresh folder, `import sglang` and the plugins checked, the kernel tests (under
-#    Triton's interpreter here), the BF16 and oscar-int2 servers on a SmolLM2-geometry dummy model
-#    benchmarked by sglang.bench_serving (short prompts), the kernel benchmark's CPU smoke.
+#    Triton's interpreter here), the BF16 and oscar-int2 servers on a small dummy model of the GPU run's head
+#    shape benchmarked by sglang.bench_serving (short prompts), the kernel benchmark's CPU smoke.
 # 3. Every kernel compiled for sm_90 by that venv's Triton 3.6 (out/dry_run/compile_check_sm90.txt).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -27,6 +29,7 @@ if [ -z "$py312" ]; then
   exit 1
 fi
 venv=$work/venv
+interp=$work/interpreter-numpy   # numpy < 2.3 for the interpreter steps (see 1. above)
 base="torch==2.11.0 triton==3.6.0 torchvision==0.26.0 torchaudio==2.11.0"   # as on the GPU machine
 stamp=$( { echo "$py312 $base"; cat scripts/device/device_like_requirements.txt; } | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$venv/.stamp" 2>/dev/null)" != "$stamp" ]; then
@@ -37,6 +40,10 @@ if [ "$(cat "$venv/.stamp" 2>/dev/null)" != "$stamp" ]; then
   "${pip[@]}" $base
   "${pip[@]}" -r scripts/device/device_like_requirements.txt
   echo "$stamp" > "$venv/.stamp"
+  rm -rf "$interp"
+fi
+if [ ! -d "$interp/numpy" ]; then
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --target "$interp" "numpy<2.3"
 fi
 # What the GPU machine lacks must come from the bundle: remove whatever the installs above pulled in
 # (but not what the machine has too, marked "also on the device").
@@ -48,7 +55,8 @@ py=$venv/bin/python
 [ -f out/device_bundle/bundle.json ] || bash scripts/device/build_bundle.sh
 rm -rf "$out"
 rc=0
-OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} bash scripts/device_check.sh || rc=$?
+OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} INTERPRETER_PYTHONPATH=$interp \
+  bash scripts/device_check.sh || rc=$?
 # 3. Every kernel compiled for sm_90 by the device's Triton (3.6) down to a cubin: the GPU runs compiled kernels,
 #    which the interpreter above does not exercise (kernels/compile_check.py; ~1 min).
 site=$work/site
