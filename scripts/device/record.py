@@ -1,0 +1,234 @@
+"""Turn the files a device run brought back into docs: one page of results, the reports beside it.
+
+    python3 scripts/device/record.py FILES_AT                  # the first run's folder (the device tool's files_at)
+    python3 scripts/device/record.py FIRST_AT RERUN_AT         # a rerun's too (later folders win, as in goals.py)
+
+Writes ``docs/gpu_results.md`` (``--out``): the date, the device, the exact command of each run, every step's
+exit code and time, the goal table (``goals.py`` over the folders), the server and kernel reports, the
+calibration's cost, and the log tail of every step that failed and of every server log with a traceback, read
+from ``device_check.tar.gz``; and copies each run's reports (``.md``, ``.json``, ``.png``) to ``docs/gpu/runN/``.
+Runs with a bare ``python3`` (the device run's files need no package), so it imports nothing of the project but
+``goals.py`` beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import shutil
+import sys
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import goals  # noqa: E402  (beside this file; needs no package)
+
+FIRST_COMMAND = 'run command="bash scripts/device_check.sh" carry=["out/device_bundle"] timeout_s=600'
+REPORTS = ("serve_bench", "bench_kernels", "bench_kernels_cpu_smoke")
+FAILED_LOG_LINES = 30
+
+_STEP = re.compile(r"^== (?P<name>[\w-]+) \(limit (?P<limit>\d+) s, at (?P<at>\d+) s\): ")
+_SKIP = re.compile(r"^== (?P<name>[\w-]+): skipped \((?P<why>.*)\)$")
+_RC = re.compile(r"^   rc=(?P<rc>\d+)(?P<timed> \(TIMED OUT\))? in (?P<secs>\d+) s")
+_DONE = re.compile(r"^== done in (?P<secs>\d+) s, rc=(?P<rc>\d+)")
+_NOTE = re.compile(r"^== (?P<text>.*)$")
+
+
+@dataclass
+class Step:
+    name: str
+    limit: int | None = None
+    at: int | None = None
+    rc: int | None = None          # None: started, no exit line (the run was cut while it ran)
+    timed_out: bool = False
+    seconds: int | None = None
+    skipped: str | None = None
+    tail: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Summary:
+    steps: list[Step]
+    notes: list[str]               # other "== ..." lines: SGLang not installed, calibration skipped for time, ...
+    done: tuple[int, int] | None   # (seconds, rc) of the script's last line; None: cut before it
+
+
+def parse_summary(text: str) -> Summary:
+    """The steps of one ``device_check.sh`` summary.txt, in order."""
+    steps: list[Step] = []
+    notes: list[str] = []
+    done = None
+    current: Step | None = None
+    for line in text.splitlines():
+        if m := _STEP.match(line):
+            current = Step(m["name"], int(m["limit"]), int(m["at"]))
+            steps.append(current)
+        elif m := _SKIP.match(line):
+            steps.append(Step(m["name"], skipped=m["why"]))
+            current = None
+        elif m := _DONE.match(line):
+            done = (int(m["secs"]), int(m["rc"]))
+            current = None
+        elif current is not None and (m := _RC.match(line)):
+            current.rc, current.timed_out, current.seconds = int(m["rc"]), bool(m["timed"]), int(m["secs"])
+        elif current is not None and line.startswith("   | "):
+            current.tail.append(line[5:])
+        elif line.startswith("== goals"):
+            current = None
+        elif m := _NOTE.match(line):
+            notes.append(m["text"])
+            current = None
+    return Summary(steps, notes, done)
+
+
+def device_line(env_log: str | None, summary: Summary) -> str:
+    """What the env step printed about the machine, in one line: the GPU line(s) of nvidia-smi, then Python,
+    torch, CUDA, triton and transformers.  From the full env.log where the tarball has it, else its tail."""
+    env = next((s for s in summary.steps if s.name == "env"), None)
+    lines = env_log.splitlines() if env_log is not None else (env.tail if env else [])
+    lines = [ln.strip() for ln in lines if ln.strip()]
+    if not lines:
+        return "unknown (no env step)"
+    gpus = [ln for ln in lines if ln.startswith("NVIDIA")] or ["no GPU (nvidia-smi: " + lines[0] + ")"]
+    return "; ".join(gpus) + f"; python, torch, CUDA, triton, transformers: {lines[-1]}"
+
+
+def _status(step: Step) -> str:
+    if step.skipped is not None:
+        return f"skipped ({step.skipped})"
+    if step.rc is None:
+        return "**cut while running** (no exit line)"
+    if step.timed_out:
+        return f"**timed out** (rc {step.rc})"
+    return "ok" if step.rc == 0 else f"**failed** (rc {step.rc})"
+
+
+def steps_table(summary: Summary) -> str:
+    lines = ["| step | result | time (s) | limit (s) | started at (s) |", "|---|---|---|---|---|"]
+    for s in summary.steps:
+        lines.append(f"| {s.name} | {_status(s)} | {'' if s.seconds is None else s.seconds} | "
+                     f"{'' if s.limit is None else s.limit} | {'' if s.at is None else s.at} |")
+    end = ("the script's last line: done in {} s, rc={}".format(*summary.done) if summary.done
+           else "no closing line: the device tool stopped the script before its end")
+    return "\n".join(lines) + f"\n\n{end}.\n"
+
+
+def read_logs(folder: Path) -> dict[str, str]:
+    """Every file of ``results/`` in the run's device_check.tar.gz, by name, as text ({}: no readable tarball)."""
+    try:
+        with tarfile.open(folder / "device_check.tar.gz") as tar:
+            files = {}
+            for member in tar.getmembers():
+                if member.isfile() and member.name.startswith("results/"):
+                    files[member.name[len("results/"):]] = tar.extractfile(member).read().decode(errors="replace")
+            return files
+    except (OSError, tarfile.TarError):
+        return {}
+
+
+def _tail(name: str, lines: list[str], origin: str = "") -> str:
+    lines = lines[-FAILED_LOG_LINES:]
+    return (f"last {len(lines)} line{'' if len(lines) == 1 else 's'} of {name}{origin}:\n\n```\n"
+            + "\n".join(lines) + "\n```\n")
+
+
+def failed_logs(logs: dict[str, str], summary: Summary) -> str:
+    """The last lines of the full log of every step that did not end with rc 0, and of every SGLang server log
+    that holds a traceback (a server can fail while its step, which retries it, ends well)."""
+    parts = []
+    for s in summary.steps:
+        if s.skipped is not None or s.rc == 0:
+            continue
+        log = logs.get(f"{s.name}.log")
+        lines = log.splitlines() if log is not None else s.tail
+        parts.append(f"`{s.name}` ({_status(s)}), " + _tail(f"{s.name}.log", lines,
+                                                             "" if log is not None else " (from summary.txt)"))
+    for name, text in sorted(logs.items()):
+        if name.startswith("server_") and name.endswith(".log") and "Traceback (most recent call last)" in text:
+            parts.append("A server's traceback, " + _tail(name, text.splitlines()))
+    return "\n".join(parts)
+
+
+def calibration_line(logs: dict[str, str]) -> str | None:
+    text = logs.get("calibrate_bench.json")
+    try:
+        c = json.loads(text) if text else None
+    except ValueError:
+        return None
+    if not c:
+        return None
+    gpu = "" if c.get("peak_gpu_mb") is None else f", peak GPU memory {c['peak_gpu_mb']} MB"
+    return (f"{c['model']} ({c['parameters'] / 1e9:.2f} B parameters, random weights, {c['dtype']}) on "
+            f"{c['device_name']}: {c['method']} over {c['tokens']} tokens, capture {c['capture_s']} s, whole "
+            f"pipeline {c['total_s']} s{gpu}, peak RSS {c['peak_rss_mb']} MB (`{c['command']}`)")
+
+
+def demote(markdown: str) -> str:
+    """A report as a section of a run's part of the page: its headings two levels down."""
+    return "\n".join("##" + ln if ln.startswith("#") else ln for ln in markdown.splitlines()) + "\n"
+
+
+def record(folders: list[Path], out: Path, commands: list[str], date: str) -> Path:
+    """Write ``out/gpu_results.md`` and ``out/gpu/runN/`` from the runs' folders; returns the page's path."""
+    for folder in folders:
+        if not (folder / "summary.txt").is_file():
+            raise SystemExit(f"{folder}: no summary.txt (is this the device tool's files_at folder?)")
+    summaries = [parse_summary((f / "summary.txt").read_text()) for f in folders]
+    logs = [read_logs(f) for f in folders]
+    names = [f"run{i + 1}" for i in range(len(folders))]
+    page = [f"# GPU results ({date})", "",
+            f"Device: {device_line(logs[0].get('env.log'), summaries[0])}.", "",
+            "Written by `python3 scripts/device/record.py " + " ".join(str(f) for f in folders) + "` from the "
+            "files the device tool brought back; each run's reports are copied to `docs/gpu/runN/`. "
+            "What the steps do and how the goals are judged: [GPU.md](GPU.md).", ""]
+    kernels = next((k for k in (goals._read(f / "bench_kernels.json") for f in reversed(folders)) if k), None)
+    serve, source = goals.merge_serve([(n, goals._read(f / "serve_bench.json")) for n, f in zip(names, folders)])
+    page += ["## Goals", "", goals.markdown(goals.kernel_goals(kernels) + goals.server_goals(serve)).rstrip()]
+    if len(set(source.values())) > 1:
+        page += ["", "Server results from: " + "; ".join(f"{c}: {src}" for c, src in sorted(source.items())) + "."]
+    page.append("")
+    for i, (folder, summary, log, name) in enumerate(zip(folders, summaries, logs, names)):
+        command = commands[i] if i < len(commands) else ("device tool: " + FIRST_COMMAND if i == 0 else "(not given)")
+        dest = out / "gpu" / name
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        page += [f"## {name}: `{command}`", "", steps_table(summary)]
+        if summary.notes:
+            page += ["Notes from the script: " + "; ".join(summary.notes) + ".", ""]
+        if failed := failed_logs(log, summary):
+            page += ["### What failed", "", failed]
+        for report in REPORTS:
+            md = folder / f"{report}.md"
+            for ext in ("md", "json", "png"):
+                if (folder / f"{report}.{ext}").is_file():
+                    shutil.copy2(folder / f"{report}.{ext}", dest / f"{report}.{ext}")
+            if md.is_file():
+                page += [demote(md.read_text())]
+                if (folder / f"{report}.png").is_file():
+                    page += [f"![{report}](gpu/{name}/{report}.png)", ""]
+        if cal := calibration_line(log):
+            page += ["### Calibration cost", "", cal, ""]
+    path = out / "gpu_results.md"
+    path.write_text("\n".join(page).rstrip() + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("folders", type=Path, nargs="+", help="the device tool's files_at of each run, first run first")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "docs",
+                   help="docs folder to write gpu_results.md and gpu/ into (default: this checkout's docs/)")
+    p.add_argument("--command", action="append", default=[],
+                   help="the exact command of each run, in order (default for the first: the documented one)")
+    p.add_argument("--date", default=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"))
+    a = p.parse_args(argv)
+    print(record(a.folders, a.out, a.command, a.date))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
