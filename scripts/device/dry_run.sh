@@ -14,6 +14,7 @@
 #    Triton's interpreter here), the BF16 and oscar-int2 servers on a small dummy model of the GPU run's head
 #    shape benchmarked by sglang.bench_serving (short prompts), the kernel benchmark's CPU smoke.
 # 3. Every kernel compiled for sm_90 by that venv's Triton 3.6 (out/dry_run/compile_check_sm90.txt).
+# 4. scripts/device/record.py over the results, as a lent session runs it (out/dry_run/record/gpu_results.md).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -68,5 +69,11 @@ if ! (cd / && PYTHONPATH=$site OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$py" -m os
   [ "$rc" = 0 ] && rc=1
 fi
 tail -n 3 "$out/compile_check_sm90.txt" | sed 's/^/[dry-run] sm_90 | /'
+# 4. The page a lent session writes from the fetched files, here from this run's (out/dry_run/record/).
+if ! "$py" scripts/device/record.py "$out" --out "$out/record" --command "bash scripts/device/dry_run.sh (CPU)" \
+      > /dev/null; then
+  echo "[dry-run] record.py failed"
+  [ "$rc" = 0 ] && rc=1
+fi
 echo "[dry-run] done in $SECONDS s (rc $rc); results in $out"
 exit "$rc"
