@@ -7,7 +7,6 @@ the same attention in torch.  What the real library does is only checked on a GP
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -193,9 +194,7 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
     md = (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
     assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md and "INT4-K" in md
     # the GPU-proof goals read this report's keys (scripts/device/goals.py), judged here from the longest context
-    spec = importlib.util.spec_from_file_location("goals", ROOT / "scripts" / "device" / "goals.py")
-    goals = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(goals)
+    goals = load_script("device/goals.py")
     bandwidth, batch1 = goals.kernel_goals(data, long=320)
     assert bandwidth["measured"].count("d128 b") == 2 and "not measured" not in bandwidth["verdict"]
     assert batch1["measured"].startswith("d128 320: ") and "x vs " in batch1["measured"]

@@ -6,24 +6,13 @@ checked on its real CPU smoke output in tests/test_bench_kernels.py.
 """
 
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_modules import load_script
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "device" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-goals = _load("goals")
-serve_bench = _load("serve_bench")
+goals = load_script("device/goals.py")
+serve_bench = load_script("device/serve_bench.py")
 
 
 def row(d, batch, ctx, frac, speedup):

@@ -7,28 +7,18 @@ exercised by ``scripts/device/dry_run.sh``, not here: CI must not need them.
 import csv
 import hashlib
 import base64
-import importlib.util
 import io
 import json
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_modules import load_script
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-build_bundle = _load("build_bundle", ROOT / "scripts" / "device" / "build_bundle.py")
+build_bundle = load_script("device/build_bundle.py")
 dummy_models = sys.modules["dummy_models"]  # build_bundle imports it from scripts/
 
 

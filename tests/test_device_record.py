@@ -6,28 +6,20 @@ serve_bench's own writer, so the recorder reads what the producers write.
 """
 
 import argparse
-import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "scripts" / "device_check.sh").read_text()
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "device" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-serve_bench = _load("serve_bench")
-record = _load("record")
+serve_bench = load_script("device/serve_bench.py")
+record = load_script("device/record.py")
 
 
 def _function(name: str) -> str:

@@ -9,7 +9,6 @@ order, when the ladder stops, and what the report says.
 """
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -17,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from script_modules import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "scripts" / "device" / "serve_bench.py")
-serve_bench = importlib.util.module_from_spec(_spec)
-sys.modules["serve_bench"] = serve_bench
-_spec.loader.exec_module(serve_bench)
+serve_bench = load_script("device/serve_bench.py")
 
 # the message SGLang 0.5.23's JIT loader raises under the crash flag (kernels/jit/utils/compile/loader.py)
 JIT_LOG = ("RuntimeError: JIT module 'store_cache' has no usable cached build under /root/.cache/x, and "
