@@ -138,7 +138,7 @@ def test_a_rerun_is_recorded_beside_the_first_and_judged_with_it(tmp_path):
     cmd = "DEVICE_LIMIT_S=160 ONLY=servers SERVE_CACHES=oscar-int2 bash scripts/device_check.sh"
     page = record.record([first, rerun], docs, ["device_check.sh, first run", cmd], "2026-12-09").read_text()
     assert "## run1: `device_check.sh, first run`" in page and f"## run2: `{cmd}`" in page
-    assert "Server results from: bf16: run1; oscar-int2: run2." in page
+    assert "server results from: bf16: run1; oscar-int2: run2" in page
     assert "INT2 x21 1750 tok/s vs BF16 x3 333 tok/s: 5.25x" in page      # 21/12 ms vs 3/9 ms
     assert (docs / "gpu" / "run2" / "serve_bench.json").is_file()
 

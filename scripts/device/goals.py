@@ -158,16 +158,23 @@ def _read(path: Path) -> dict | None:
         return None
 
 
+def goal_table(runs: list[tuple[str, Path]]) -> str:
+    """The goal table over runs (name, folder), later runs winning, then which run each cache's numbers came
+    from when that is more than one."""
+    kernels = next((k for k in (_read(d / "bench_kernels.json") for _, d in reversed(runs)) if k), None)
+    serve, source = merge_serve([(name, _read(d / "serve_bench.json")) for name, d in runs])
+    table = markdown(kernel_goals(kernels) + server_goals(serve))
+    if len(set(source.values())) > 1:
+        table += "\nserver results from: " + "; ".join(f"{c}: {src}" for c, src in sorted(source.items())) + "\n"
+    return table
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path, nargs="+",
                    help="folder(s) with bench_kernels.json and serve_bench.json; later folders win")
     a = p.parse_args(argv)
-    kernels = next((k for k in (_read(d / "bench_kernels.json") for d in reversed(a.results)) if k), None)
-    serve, source = merge_serve([(str(d), _read(d / "serve_bench.json")) for d in a.results])
-    print(markdown(kernel_goals(kernels) + server_goals(serve)), end="")
-    if len(set(source.values())) > 1:
-        print("\nserver results from: " + "; ".join(f"{c}: {src}" for c, src in sorted(source.items())))
+    print(goal_table([(str(d), d) for d in a.results]), end="")
     return 0
 
 

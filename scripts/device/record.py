@@ -184,12 +184,7 @@ def record(folders: list[Path], out: Path, commands: list[str], date: str) -> Pa
             "Written by `python3 scripts/device/record.py " + " ".join(str(f) for f in folders) + "` from the "
             "files the device tool brought back; each run's reports are copied to `docs/gpu/runN/`. "
             "What the steps do and how the goals are judged: [GPU.md](GPU.md).", ""]
-    kernels = next((k for k in (goals._read(f / "bench_kernels.json") for f in reversed(folders)) if k), None)
-    serve, source = goals.merge_serve([(n, goals._read(f / "serve_bench.json")) for n, f in zip(names, folders)])
-    page += ["## Goals", "", goals.markdown(goals.kernel_goals(kernels) + goals.server_goals(serve)).rstrip()]
-    if len(set(source.values())) > 1:
-        page += ["", "Server results from: " + "; ".join(f"{c}: {src}" for c, src in sorted(source.items())) + "."]
-    page.append("")
+    page += ["## Goals", "", goals.goal_table(list(zip(names, folders))).rstrip(), ""]
     for i, (folder, summary, log, name) in enumerate(zip(folders, summaries, logs, names)):
         command = commands[i] if i < len(commands) else ("device tool: " + FIRST_COMMAND if i == 0 else "(not given)")
         dest = out / "gpu" / name
