@@ -32,6 +32,13 @@ def _function(name: str) -> str:
 DONE_LINE = next(ln for ln in SCRIPT.splitlines() if ln.startswith('echo "== done in'))
 
 
+def _serve_report(folder: Path, *results: dict) -> None:
+    """serve_bench.{md,json} in ``folder``, by serve_bench's own writer, as the 8B-geometry run writes them."""
+    args = argparse.Namespace(out=folder, tag="", kv_budget_gib=16.0, mem_fraction_static=0.85,
+                              model=Path("llama3-8b"), dummy=True, tp=1, output_len=256)
+    serve_bench.write_report(list(results), args, cpu=True)
+
+
 def _device_run(tmp_path, steps: str, only: str = "") -> Path:
     """A device_check-like run: RES with serve_bench's report, the script's own step functions over ``steps``
     (bash lines), then its closing line and last publish; returns OUT as the device tool brings it back."""
@@ -41,10 +48,8 @@ def _device_run(tmp_path, steps: str, only: str = "") -> Path:
     out.mkdir()
     run = {"input_len": 32768, "concurrency": 1, "output_throughput": 60.0, "median_ttft_ms": 900.0,
            "p99_ttft_ms": 950.0, "median_itl_ms": 7.0, "p99_itl_ms": 9.0}
-    args = argparse.Namespace(out=res, tag="", kv_budget_gib=16.0, mem_fraction_static=0.85, model=Path("llama3-8b"),
-                              dummy=True, tp=1, output_len=256)
-    serve_bench.write_report([{"cache": "bf16", "capacity": 131_072, "start_s": 50.0, "runs": [
-        run, dict(run, concurrency=3, output_throughput=150.0, median_itl_ms=9.0)]}], args, cpu=True)
+    _serve_report(res, {"cache": "bf16", "capacity": 131_072, "start_s": 50.0, "runs": [
+        run, dict(run, concurrency=3, output_throughput=150.0, median_itl_ms=9.0)]})
     # the servers' own logs: BF16 served, INT2 died at start (serve_bench then retried it with a remedy)
     (res / "server_bf16.log").write_text("The server is fired up and ready to roll!\n")
     (res / "server_oscar-int2.log").write_text("Capture cuda graph begin.\nTraceback (most recent call last):\n"
@@ -130,10 +135,7 @@ def test_a_rerun_is_recorded_beside_the_first_and_judged_with_it(tmp_path):
     runs = [{"input_len": 32768, "concurrency": c, "output_throughput": t, "median_ttft_ms": 1.0,
              "p99_ttft_ms": 2.0, "median_itl_ms": itl, "p99_itl_ms": itl * 2} for c, t, itl in ((1, 65.0, 6.5),
                                                                                              (21, 800.0, 12.0))]
-    args = argparse.Namespace(out=rerun, tag="", kv_budget_gib=16.0, mem_fraction_static=0.85,
-                              model=Path("llama3-8b"), dummy=True, tp=1, output_len=256)
-    serve_bench.write_report([{"cache": "oscar-int2", "capacity": 900_000, "start_s": 55.0, "runs": runs}], args,
-                             cpu=True)
+    _serve_report(rerun, {"cache": "oscar-int2", "capacity": 900_000, "start_s": 55.0, "runs": runs})
     docs = tmp_path / "docs"
     cmd = "DEVICE_LIMIT_S=160 ONLY=servers SERVE_CACHES=oscar-int2 bash scripts/device_check.sh"
     page = record.record([first, rerun], docs, ["device_check.sh, first run", cmd], "2026-12-09").read_text()
