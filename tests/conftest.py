@@ -13,3 +13,19 @@ if "TRITON_INTERPRET" not in os.environ:
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow: the long forms of the server, scheduling, soak and "
+                          "calibration tests (the default run holds a fast form of each)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the tests marked ``slow`` unless ``--slow`` is given or ``-m`` names the marker."""
+    if config.getoption("--slow") or "slow" in (config.getoption("markexpr") or ""):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]

@@ -1,4 +1,11 @@
-"""oscar-calibrate and oscar-eval end to end on the embedded default model (small budgets)."""
+"""oscar-calibrate and oscar-eval end to end on the embedded default model (small budgets).
+
+The default run holds one calibration with the default options (OptR, the
+precision policy), the refusals, and a small single-mode evaluation; the long
+forms (the mix's held-out decisions, the policy's own sequence length, the
+cross-domain table, the evaluation of every method with a policy) run with
+``--slow`` (~3.5 minutes on two cores).
+"""
 
 import json
 
@@ -41,6 +48,7 @@ def test_calibrate_optr_writes_a_validated_artifact(tmp_path, capsys):
     assert "precision policy:" in printed and f"{a.bits_per_element:.3f} bits/element" in printed
 
 
+@pytest.mark.slow
 def test_policy_measures_on_its_own_longer_sequences(tmp_path, capsys):
     """--policy-seq-len: the fit on 256-token sequences, the policy's options measured on 640-token ones
     (one per domain of the mix), recorded in the manifest; refused without a policy."""
@@ -77,6 +85,7 @@ def test_eval_refuses_overlapping_texts(tmp_path, capsys):
     assert "in both calibration and evaluation data" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_calibrate_on_the_mix_records_heldout_decisions(tmp_path, capsys):
     out = tmp_path / "mix"
     rc = cli.main(["--data", "mix", "--method", "oscar-center", "--tokens", "1536", "--seq-len", "512", "--sink", "8",
@@ -99,6 +108,7 @@ def test_calibrate_on_the_mix_records_heldout_decisions(tmp_path, capsys):
         assert all(c == 1.0 for c, kept in zip(r["k_clip"], r["k_clip_kept"]) if not kept)
 
 
+@pytest.mark.slow
 def test_cross_domain_table_is_written(tmp_path, capsys):
     rc = eval_cli.main(["--cross-domain", "--cross-cal", "code", "--cross-eval", "docs-eval,shakespeare-eval",
                         "--methods", "bf16,hadamard,hadamard-center", "--tokens", "1024", "--seq-len", "512",
@@ -125,6 +135,7 @@ def test_cross_domain_table_is_written(tmp_path, capsys):
     assert f"| hadamard-center@3 | {policy['bits_per_element']:.2f} | code |" in md
 
 
+@pytest.mark.slow
 def test_eval_writes_accuracy_and_diagnostics(tmp_path, capsys):
     """Single mode, small: the accuracy table and the per-(layer, head) diagnostics of each calibrated method,
     a precision policy on top of one of them, and a saved artifact evaluated as it is."""
@@ -166,4 +177,33 @@ def test_eval_writes_accuracy_and_diagnostics(tmp_path, capsys):
     assert all(0 <= r["mean_share"] <= 1 for r in rows)
     md = (tmp_path / "diagnostics.md").read_text()
     assert "hardest (layer, head, K/V)" in md and (tmp_path / "diagnostics.png").stat().st_size > 0
+    assert "diagnostics.{md,json,png}" in capsys.readouterr().out
+
+
+def test_eval_small_writes_accuracy_table_and_diagnostics(tmp_path, capsys):
+    """The fast form of the evaluation below: two methods and a saved artifact on short texts."""
+    from transformers import AutoConfig
+
+    from oscar_sglang import assets
+
+    fp = art.ModelFingerprint.from_config(AutoConfig.from_pretrained(assets.default_model_dir()))
+    saved = art.save(art.hadamard(fp), tmp_path / "saved-hadamard")
+    rc = eval_cli.main(["--methods", "bf16,identity,hadamard", "--data", "code", "--eval-data", "docs-eval",
+                        "--tokens", "512", "--seq-len", "256", "--sink", "8", "--recent", "32",
+                        "--ppl-contexts", "256", "--ppl-seqs", "1", "--niah-lengths", "160", "--niah-depths", "0.5",
+                        "--niah-trials", "1", "--artifacts", f"saved={saved}", "--out", str(tmp_path / "out"),
+                        "--quiet", "--dtype", "float32"])
+    assert rc == 0
+    out = tmp_path / "out"
+    res = json.loads((out / "accuracy.json").read_text())["results"]
+    assert list(res) == ["bf16", "identity", "hadamard", "saved"] and not (out / "accuracy.partial.json").exists()
+    assert res["saved"]["ppl"] == res["hadamard"]["ppl"]             # the same rotations, evaluated alike
+    assert res["hadamard"]["bits_per_element"] == 2.5 and "| bf16 | 16 |" in (out / "accuracy_table.md").read_text()
+    assert all(len(r["niah"][0]["hits"]) == 1 for r in res.values())
+    assert "| bits/elt |" in (out / "accuracy_table.md").read_text()
+    rows = json.loads((out / "diagnostics.json").read_text())["rows"]
+    assert len(rows) == 30 * 3 * 2 and set(rows[0]["error"]) == {"identity", "hadamard", "saved"}
+    keys = [r for r in rows if r["tensor"] == "k"]
+    assert sum(r["error"]["hadamard"] for r in keys) < sum(r["error"]["identity"] for r in keys)
+    assert (out / "diagnostics.png").stat().st_size > 0
     assert "diagnostics.{md,json,png}" in capsys.readouterr().out

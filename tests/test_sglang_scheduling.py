@@ -1,5 +1,9 @@
 """The INT2 server under SGLang's real scheduling: page sizes, chunked prefill, retraction (CPU, real servers).
 
+The long form (``--slow``, ~3 minutes on two cores): its fast form, one server
+with page size 16, chunked prefill and forced retraction at a wide window
+against the BF16 server, is in ``test_sglang_server.py``.
+
 Four oscar-int2 servers with the same Hadamard rotations, started one after
 the other, each answering and stopping before the next starts:
 
@@ -32,22 +36,19 @@ request survives in window.
 import re
 
 import pytest
-from test_sglang_server import CONCURRENT, RECENT, SINK, _generate, _same_up_to_noise
+from test_sglang_server import CHUNK, CONCURRENT, LONG, N_LONG, RECENT, SINK, _generate, _same_up_to_noise
 
 from oscar_sglang.sglang.launcher import flush_cache, local_server
 from oscar_sglang.sglang.metrics import log_lines
 
-pytestmark = [pytest.mark.server, pytest.mark.model]
+pytestmark = [pytest.mark.server, pytest.mark.model, pytest.mark.slow]
 
 BASE = ("--max-total-tokens", "4096", "--kv-cache-dtype", "oscar-int2", "--oscar-sink", str(SINK),
         "--decode-log-interval", "4")
 NARROW = ("--oscar-recent", str(RECENT))
 WIDE = ("--oscar-recent", "512")
-CHUNK = 64
-# Long prompts (~450 tokens, 7 chunks of 64): the 16 prompts rotated, so no two start alike.
-LONG = [" ".join(CONCURRENT[i:] + CONCURRENT[:i]) for i in (0, 5, 10)]
 BATCH = CONCURRENT[2:10]   # 8 short prompts (23-31 tokens) served at once under retraction
-N_LONG, N_BATCH = 10, 16   # greedy tokens per answer
+N_BATCH = 16               # greedy tokens per answer
 
 
 @pytest.fixture(scope="module")

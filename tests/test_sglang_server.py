@@ -5,18 +5,27 @@ Servers (SmolLM2-135M, ``--max-total-tokens 2048``, on a free port of
 whose teardown kills each server's whole process group):
 
 * a BF16 server, which answers every prompt once and stops;
-* an oscar-int2 server with an artifact calibrated by ``oscar-calibrate`` in
-  the fixture (oscar-center, 2048 tokens, ~20 s), which answers the same
-  factual prompts and stops;
+* (``--slow`` only) an oscar-int2 server with an artifact calibrated by
+  ``oscar-calibrate`` in the fixture (oscar-center, 2048 tokens, its default
+  precision policy; ~90 s on two cores), which answers the same factual
+  prompts and stops;
+* an oscar-int2 server under SGLang's scheduling (page size 16, chunked
+  prefill of 64 tokens, SGLang's forced retraction, a Hadamard artifact with
+  mixed per-layer formats) and a window wider than its prompts, so that every
+  read is a BF16 row: a long prompt in chunks and the factual prompts at once
+  must answer like the BF16 server (the fast form of
+  ``test_sglang_scheduling.py``);
 * an oscar-int2 server with Hadamard rotations (``--enable-cache-report``,
   ``--enable-metrics``), which stays up for the plugin, prefix-cache,
   concurrency and hot-pool bookkeeping tests.
 
-All INT2 servers run ``--oscar-sink 4 --oscar-recent 16`` and every prompt is
-longer than 20 tokens, so most of each prompt is read back from INT2.  Plus
-launches that must refuse to start (wrong-model, corrupted and missing
-artifacts).  Takes a few minutes on two cores; select with ``-m server`` or
-skip with ``-m "not server"``; ``-s`` shows the measured agreement.
+The calibrated and Hadamard INT2 servers run ``--oscar-sink 4 --oscar-recent
+16`` and every prompt is longer than 20 tokens, so most of each prompt is read
+back from INT2.  Plus launches that must refuse to start (missing artifacts;
+with ``--slow`` also wrong-model and corrupted ones, whose sentences
+test_sglang_hooks.py and test_artifacts.py check without a server).  Takes a
+few minutes on two cores; select with ``-m server`` or skip with ``-m "not
+server"``; ``-s`` shows the measured agreement.
 
 Noise model used by the cache and concurrency tests.  On CPU the GEMMs are not
 batch invariant: the same request batched with others (or prefilled as an
@@ -42,6 +51,7 @@ log probabilities by whole nats, token after token, and fails this.
 """
 
 import concurrent.futures
+import re
 import shutil
 import subprocess
 import sys
@@ -108,6 +118,11 @@ CONCURRENT = PROMPTS + FACTS + [
 ]
 # A long shared prefix (~90 tokens) for the prefix-cache test.
 LONG_PREFIX = " ".join(CONCURRENT[13:16]) + " "
+CHUNK = 64  # --chunked-prefill-size of the scheduling servers
+# Long prompts (~450 tokens, 7 chunks of 64): the 16 prompts rotated, so no two start alike.
+LONG = [" ".join(CONCURRENT[i:] + CONCURRENT[:i]) for i in (0, 5, 10)]
+N_LONG = 10  # greedy tokens per long answer
+WIDE = 512  # --oscar-recent wider than every prompt + answer: every read is a BF16 row
 
 
 # ---------------------------------------------------------------------------
@@ -194,20 +209,26 @@ def fingerprint(model_dir):
 
 @pytest.fixture(scope="module")
 def rotations(fingerprint, tmp_path_factory):
-    """A Hadamard artifact for the served model and one calibrated for another model."""
+    """A Hadamard artifact for the served model, one calibrated for another model, and a Hadamard one whose
+    layers store their rows in different formats (as a precision policy leaves them)."""
     import dataclasses
 
-    from oscar_sglang import artifacts
+    from oscar_sglang.format import RowFormat
 
     root = tmp_path_factory.mktemp("rotations")
     wrong = dataclasses.replace(fingerprint, architecture="Qwen2ForCausalLM", num_layers=28)
+    cycle = [artifacts.LayerFormat(RowFormat(4, symmetric=True), RowFormat(2)),
+             artifacts.LayerFormat(RowFormat(2, 32), RowFormat(2, symmetric=True)),
+             artifacts.LayerFormat(RowFormat(2), RowFormat(8))]
+    mixed = artifacts.hadamard(fingerprint).with_formats([cycle[i % 3] for i in range(fingerprint.num_layers)])
     return (artifacts.save(artifacts.hadamard(fingerprint), root / "hadamard"),
-            artifacts.save(artifacts.hadamard(wrong), root / "wrong"))
+            artifacts.save(artifacts.hadamard(wrong), root / "wrong"),
+            artifacts.save(mixed, root / "mixed"))
 
 
 @pytest.fixture(scope="module")
 def calibrated(model_dir, tmp_path_factory):
-    """An artifact calibrated on real text by the user's command (small: 2048 tokens, ~20 s).
+    """An artifact calibrated on real text by the user's command (small: 2048 tokens; ~90 s, most of it the policy).
 
     Always made here, so the test does not depend on what the quickstart left in rotations/.
     """
@@ -229,7 +250,8 @@ def bf16_answers(model_dir, tmp_path_factory):
     with local_server(model_dir, log, *SERVER_FLAGS) as url:
         completions = [_greedy(url, p) for p in PROMPTS]
         facts = [_generate(url, p, AGREE_TOKENS) for p in FACTS]
-    return {"completions": completions, "facts": facts}
+        long = [_generate(url, LONG[0], N_LONG)]
+    return {"completions": completions, "facts": facts, "long": long}
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +265,25 @@ def calibrated_run(model_dir, calibrated, bf16_answers, tmp_path_factory):
             cold.append(_generate(url, p, AGREE_TOKENS))
         hit = [_generate(url, FACTS[-1], AGREE_TOKENS)]  # the last prompt again: read back from the cache
     return {"cold": cold, "hit": hit, "log": log.read_text(), "dir": calibrated}
+
+
+@pytest.fixture(scope="module")
+def scheduled_run(model_dir, rotations, bf16_answers, tmp_path_factory):
+    """The mixed-format INT2 server with page size 16, chunked prefill and SGLang's forced retraction (every
+    third forward pass retracts the running decode requests, which prefill again later), window WIDE:
+    the long prompt in chunks, then the factual prompts all at once (it stops afterwards)."""
+    from oscar_sglang.sglang.launcher import server_env
+
+    log = tmp_path_factory.mktemp("int2-scheduled") / "server.log"
+    env = {**server_env(), "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"}
+    with local_server(model_dir, log, "--max-total-tokens", "4096", "--kv-cache-dtype", "oscar-int2",
+                      "--oscar-sink", str(SINK), "--oscar-recent", str(WIDE), "--oscar-rotations", str(rotations[2]),
+                      "--page-size", "16", "--chunked-prefill-size", str(CHUNK), env=env) as url:
+        long = [_generate(url, LONG[0], N_LONG)]
+        flush_cache(url)
+        with concurrent.futures.ThreadPoolExecutor(len(FACTS)) as pool:
+            batch = list(pool.map(lambda p: _generate(url, p, AGREE_TOKENS), FACTS))
+    return {"long": long, "batch": batch, "log": log.read_text()}
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +315,7 @@ def _refusal(model, *extra):
     return refused(model, *extra, timeout_s=REFUSE_TIMEOUT_S)
 
 
+@pytest.mark.slow
 def test_wrong_model_artifact_refuses_to_start(model_dir, rotations):
     code, out = _refusal(model_dir, "--kv-cache-dtype", "oscar-int2", "--oscar-rotations", str(rotations[1]))
     assert code != 0
@@ -310,6 +352,7 @@ def _skew_rotation(d):
     return "layers.3.k_rotation is not orthogonal (max |R^T R - I| = "
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("corrupt", [_truncate_tensors, _garble_manifest, _skew_rotation],
                          ids=["truncated-tensors", "invalid-json-manifest", "non-orthogonal-rotation"])
 def test_corrupted_artifact_refuses_to_start(model_dir, rotations, tmp_path, corrupt):
@@ -327,6 +370,7 @@ def test_corrupted_artifact_refuses_to_start(model_dir, rotations, tmp_path, cor
 # Calibrated artifact: agreement with BF16
 
 
+@pytest.mark.slow
 def test_calibrated_artifact_agrees_with_bf16(calibrated_run, bf16_answers):
     """Leading greedy tokens (of AGREE_TOKENS) on which the calibrated INT2 server agrees with BF16, per prompt.
 
@@ -354,6 +398,28 @@ def test_calibrated_artifact_agrees_with_bf16(calibrated_run, bf16_answers):
           f"({hit['cached']} cached tokens): {hit_count}")
     assert all(c >= 1 for c in counts), counts
     assert sum(c >= FIRST_TOKENS for c in counts) >= 6, counts
+
+
+# ---------------------------------------------------------------------------
+# SGLang's scheduling with a wide window: like BF16
+
+
+def test_chunked_prefill_and_retraction_answer_like_bf16(scheduled_run, bf16_answers, rotations):
+    """Chunks of 64 over pages of 16 and requests retracted and resumed, with mixed per-layer formats, answer
+    like the BF16 server up to float noise: with a window wider than every request, each read is a BF16 row,
+    so any difference would come from the glue (the extend over a cached prefix, the hot window across
+    chunks, the page-16 slot mapping, a retracted request's rows), not from INT2."""
+    log = scheduled_run["log"]
+    assert re.search(r"retract", log, re.IGNORECASE), "SGLang never retracted a request"
+    line = [x for x in log.splitlines() if "oscar-int2 KV cache:" in x]
+    a = artifacts.load(rotations[2])
+    assert line and f"(layers per format: {a.policy_summary()})" in line[0], log[-4000:]
+    ref, got = bf16_answers["long"][0], scheduled_run["long"][0]
+    assert got["prompt_tokens"] == ref["prompt_tokens"] > 5 * CHUNK and got["prompt_tokens"] + N_LONG < WIDE
+    _same_up_to_noise(ref, got, "chunked prefill (page 16, mixed formats) vs BF16")
+    for ref, got in zip(bf16_answers["facts"], scheduled_run["batch"]):
+        assert got["completion_tokens"] == AGREE_TOKENS and got["prompt_tokens"] == ref["prompt_tokens"]
+        _same_up_to_noise(ref, got, "8 at once, retracted and resumed (page 16) vs BF16 one at a time")
 
 
 # ---------------------------------------------------------------------------

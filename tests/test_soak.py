@@ -6,7 +6,10 @@ an ``/abort_request``), malformed requests mixed in, ``/flush_cache`` during
 the traffic; then zero 5xx, every accepted request finished or aborted as
 asked, the hot pool holding exactly one request's window after a flush, and
 the probes repeating their answers.  The long form's figures are in
-docs/RELIABILITY.md.
+docs/RELIABILITY.md.  The soak itself runs with ``--slow`` only (~1
+minute on two cores); in the default run, test_sglang_server.py's 16
+concurrent requests and test_compat.py's refusal of an empty prompt stand
+for it.
 """
 
 import sys
@@ -14,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.server, pytest.mark.model]
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import soak  # noqa: E402
 
 
+@pytest.mark.server
+@pytest.mark.model
+@pytest.mark.slow
 def test_short_soak_leaves_the_server_healthy_and_unchanged(tmp_path):
     from transformers import AutoConfig
 
