@@ -37,6 +37,7 @@ import re
 
 import pytest
 from test_sglang_server import CHUNK, CONCURRENT, LONG, N_LONG, RECENT, SINK, _generate, _same_up_to_noise
+from test_sglang_server import WIDE as WIDE_RECENT
 
 from oscar_sglang.sglang.launcher import flush_cache, local_server
 from oscar_sglang.sglang.metrics import log_lines
@@ -46,7 +47,7 @@ pytestmark = [pytest.mark.server, pytest.mark.model, pytest.mark.slow]
 BASE = ("--max-total-tokens", "4096", "--kv-cache-dtype", "oscar-int2", "--oscar-sink", str(SINK),
         "--decode-log-interval", "4")
 NARROW = ("--oscar-recent", str(RECENT))
-WIDE = ("--oscar-recent", "512")
+WIDE = ("--oscar-recent", str(WIDE_RECENT))
 BATCH = CONCURRENT[2:10]   # 8 short prompts (23-31 tokens) served at once under retraction
 N_BATCH = 16               # greedy tokens per answer
 
