@@ -17,6 +17,14 @@ from oscar_sglang.calibration import cli, eval_cli
 pytestmark = pytest.mark.model
 
 
+def _default_fingerprint():
+    from transformers import AutoConfig
+
+    from oscar_sglang import assets
+
+    return art.ModelFingerprint.from_config(AutoConfig.from_pretrained(assets.default_model_dir()))
+
+
 def test_calibrate_optr_writes_a_validated_artifact(tmp_path, capsys):
     out = tmp_path / "rot"
     rc = cli.main(["--method", "optr", "--tokens", "1024", "--seq-len", "512", "--sink", "8", "--recent", "32",
@@ -24,11 +32,7 @@ def test_calibrate_optr_writes_a_validated_artifact(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "OptR kept" in printed and f"wrote {out}" in printed
-    from transformers import AutoConfig
-
-    from oscar_sglang import assets
-
-    fp = art.ModelFingerprint.from_config(AutoConfig.from_pretrained(assets.default_model_dir()))
+    fp = _default_fingerprint()
     a = art.load(out, expect=fp)
     assert a.method == "optr" and (a.sink, a.recent) == (8, 32)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -139,11 +143,7 @@ def test_cross_domain_table_is_written(tmp_path, capsys):
 def test_eval_writes_accuracy_and_diagnostics(tmp_path, capsys):
     """Single mode, small: the accuracy table and the per-(layer, head) diagnostics of each calibrated method,
     a precision policy on top of one of them, and a saved artifact evaluated as it is."""
-    from transformers import AutoConfig
-
-    from oscar_sglang import assets
-
-    fp = art.ModelFingerprint.from_config(AutoConfig.from_pretrained(assets.default_model_dir()))
+    fp = _default_fingerprint()
     saved = art.save(art.identity(fp), tmp_path / "saved-identity")
     rc = eval_cli.main(["--methods", "bf16,identity,hadamard,hadamard-center", "--data", "code", "--eval-data",
                         "docs-eval", "--tokens", "1024", "--seq-len", "512", "--sink", "8", "--recent", "32",
@@ -182,11 +182,7 @@ def test_eval_writes_accuracy_and_diagnostics(tmp_path, capsys):
 
 def test_eval_small_writes_accuracy_table_and_diagnostics(tmp_path, capsys):
     """The fast form of the evaluation below: two methods and a saved artifact on short texts."""
-    from transformers import AutoConfig
-
-    from oscar_sglang import assets
-
-    fp = art.ModelFingerprint.from_config(AutoConfig.from_pretrained(assets.default_model_dir()))
+    fp = _default_fingerprint()
     saved = art.save(art.hadamard(fp), tmp_path / "saved-hadamard")
     rc = eval_cli.main(["--methods", "bf16,identity,hadamard", "--data", "code", "--eval-data", "docs-eval",
                         "--tokens", "512", "--seq-len", "256", "--sink", "8", "--recent", "32",

@@ -38,6 +38,7 @@ import re
 import pytest
 from test_sglang_server import CHUNK, CONCURRENT, LONG, N_LONG, RECENT, SINK, _generate, _same_up_to_noise
 from test_sglang_server import WIDE as WIDE_RECENT
+from test_sglang_server import retracting_env
 
 from oscar_sglang.sglang.launcher import flush_cache, local_server
 from oscar_sglang.sglang.metrics import log_lines
@@ -88,12 +89,9 @@ def reference(model_dir, rotations, tmp_path_factory):
 def page64_retracted(model_dir, rotations, reference, tmp_path_factory):
     import concurrent.futures
 
-    from oscar_sglang.sglang.launcher import server_env
-
     log = tmp_path_factory.mktemp("p64") / "server.log"
-    env = {**server_env(), "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"}
     with local_server(model_dir, log, *BASE, *NARROW, "--oscar-rotations", str(rotations), "--page-size", "64",
-                      env=env) as url:
+                      env=retracting_env()) as url:
         flush_cache(url)
         with concurrent.futures.ThreadPoolExecutor(len(BATCH)) as pool:
             batch = list(pool.map(lambda p: _generate(url, p, N_BATCH), BATCH))

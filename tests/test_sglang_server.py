@@ -187,6 +187,14 @@ def _same_up_to_noise(ref, other, what):
     return n, max(moved, default=0.0)
 
 
+def retracting_env():
+    """The server environment with SGLang's own retraction test switch: every third forward pass retracts the
+    running decode requests, which are re-admitted later and prefill again."""
+    from oscar_sglang.sglang.launcher import server_env
+
+    return {**server_env(), "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"}
+
+
 # ---------------------------------------------------------------------------
 # Fixtures
 
@@ -272,13 +280,10 @@ def scheduled_run(model_dir, rotations, bf16_answers, tmp_path_factory):
     """The mixed-format INT2 server with page size 16, chunked prefill and SGLang's forced retraction (every
     third forward pass retracts the running decode requests, which prefill again later), window WIDE:
     the long prompt in chunks, then the factual prompts all at once (it stops afterwards)."""
-    from oscar_sglang.sglang.launcher import server_env
-
     log = tmp_path_factory.mktemp("int2-scheduled") / "server.log"
-    env = {**server_env(), "SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": "3"}
     with local_server(model_dir, log, "--max-total-tokens", "4096", "--kv-cache-dtype", "oscar-int2",
                       "--oscar-sink", str(SINK), "--oscar-recent", str(WIDE), "--oscar-rotations", str(rotations[2]),
-                      "--page-size", "16", "--chunked-prefill-size", str(CHUNK), env=env) as url:
+                      "--page-size", "16", "--chunked-prefill-size", str(CHUNK), env=retracting_env()) as url:
         long = [_generate(url, LONG[0], N_LONG)]
         flush_cache(url)
         with concurrent.futures.ThreadPoolExecutor(len(FACTS)) as pool:
