@@ -53,6 +53,18 @@ if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] && [ -x .venv/b
   exit 0
 fi
 
+if [ ! -x .venv/bin/python ]; then
+  # A fresh .venv is 6.5 GiB (torch's PyPI build brings 3.2 GiB of CUDA libraries even here,
+  # measured 2026-12-03); pip fails half-way with "No space left on device" below that, so say it first.
+  need_gib=7
+  free_kib=$(df -Pk . | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kib" ] && [ "$free_kib" -lt $((need_gib * 1024 * 1024)) ]; then
+    echo "[setup] .venv needs about $need_gib GiB free in $root; only $((free_kib / 1024)) MiB are free there." >&2
+    echo "[setup] free some space (pip's download cache may need ~4 GiB more when wheels come from the network)." >&2
+    exit 1
+  fi
+fi
+
 echo "[setup] building .venv ($mode variant) with $python"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)

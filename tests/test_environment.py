@@ -58,3 +58,28 @@ def test_sgl_kernel_standin_raises_clearly_when_called():
     with pytest.raises(NotImplementedError, match="sgl_kernel.moe_sum was called.*stand-in"):
         sgl_kernel.moe_sum()
     assert not hasattr(sgl_kernel, "__path_that_does_not_exist__")
+
+
+def test_setup_refuses_a_fresh_venv_on_a_full_disk(tmp_path):
+    # A full disk once failed CI half-way through pip ("No space left on device"); the setup
+    # says it before creating anything. Run on a copy of its inputs, with a df that reports 300 MiB free.
+    import os
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts").mkdir()
+    for f in [root / "pyproject.toml", *root.glob("scripts/requirements-*.txt"), root / "scripts/setup_env.sh"]:
+        shutil.copy(f, tmp_path / f.relative_to(root))
+    shutil.copytree(root / "scripts/sgl_kernel_standin", tmp_path / "scripts/sgl_kernel_standin")
+    fake_bin = tmp_path / "fake_bin"
+    fake_bin.mkdir()
+    (fake_bin / "df").write_text("#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted'\n"
+                                 "echo '/dev/x 264241152 263934000 307200 100% /'\n")
+    (fake_bin / "df").chmod(0o755)
+    r = subprocess.run(["bash", "scripts/setup_env.sh", "--cpu"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}",
+                                        "PYTHON": sys.executable})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "needs about 7 GiB free" in r.stderr and "only 300 MiB are free" in r.stderr
+    assert not (tmp_path / ".venv").exists()
