@@ -1,14 +1,15 @@
 """The environment the setup script builds, and the layering the architecture promises."""
 
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 
 def _run(code: str, **env):
-    import os
-
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **env})
 
@@ -63,10 +64,6 @@ def test_sgl_kernel_standin_raises_clearly_when_called():
 def test_setup_refuses_a_fresh_venv_on_a_full_disk(tmp_path):
     # A full disk once failed CI half-way through pip ("No space left on device"); the setup
     # says it before creating anything. Run on a copy of its inputs, with a df that reports 300 MiB free.
-    import os
-    import shutil
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[1]
     (tmp_path / "scripts").mkdir()
     for f in [root / "pyproject.toml", *root.glob("scripts/requirements-*.txt"), root / "scripts/setup_env.sh"]:
