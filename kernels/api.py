@@ -49,7 +49,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     """Decode attention, ``q [batch, q_heads, d]`` -> ``[batch, q_heads, d]`` (``q.dtype``).
 
     ``tuning`` (Triton only): ``num_splits``, ``max_seq_len`` (caps the splits
-    without a host sync), ``block_n``, ``num_warps``, ``num_stages``.
+    without a host sync), ``block_n``, ``num_warps``, ``num_stages``,
+    ``rotate_q_in_kernel`` (default: by grid size).
     """
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     op = _op("decode", backend, q.device)

@@ -67,7 +67,7 @@ def _record(module, name, run) -> list:
     return log
 
 
-def _no_merge(mid_o, mid_lse):
+def _no_merge(mid_o, mid_lse, *_, **__):
     """Stands in for the reduce after a recorded (not run) split kernel."""
     return torch.zeros(mid_o.shape[0], mid_o.shape[1], mid_o.shape[3])
 
@@ -106,9 +106,11 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
         add(f"write {tag}", wr, "_write_kernel",
             lambda: wr.write_kv(k, v, torch.arange(4), store, rot, torch.tensor([0, -1, 2, 3])))
         with _replaced(dec, "merge_splits", _no_merge):
-            add(f"decode {tag}", dec, "_decode_split_kernel",
-                lambda: dec.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices,
-                                             paged.seq_lens, 0.1, num_splits=4))
+            for in_kernel in (False, True):  # queries rotated before the launch / inside it (small grids)
+                add(f"decode {tag}{' q-rot in kernel' if in_kernel else ''}", dec, "_decode_split_kernel",
+                    lambda: dec.decode_attention(q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,
+                                                 paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
+                                                 rotate_q_in_kernel=in_kernel))
         qe = torch.randn(4, kv * gqa, d)
         add(f"extend {tag}", ext, "_extend_kernel",
             lambda: ext.extend_attention(qe, k, v, store, rot, paged.req_to_token, paged.req_pool_indices,
@@ -122,6 +124,9 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                     BF16_DOT=True)  # what runs on CUDA tensors
     mid_o, mid_lse = torch.zeros(2, 8, 5, 128), torch.zeros(2, 8, 5)
     add("reduce d=128 splits=5", dec, "_decode_reduce_kernel", lambda: dec.merge_splits(mid_o, mid_lse))
+    v_rot = scenario.random_rotation(2, 128).v_rot
+    add("reduce+derotate d=128 splits=5 gqa=4 bf16", dec, "_decode_reduce_kernel",
+        lambda: dec.merge_splits(mid_o, mid_lse, v_rot, torch.bfloat16))
     return out
 
 

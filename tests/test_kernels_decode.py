@@ -18,6 +18,7 @@ from kernel_device import DEVICE
 from oscar_sglang import format as fmt
 from oscar_sglang.kernels import api, layout, scenario
 from oscar_sglang.kernels.decode import reference
+from oscar_sglang.rotation import rotate_queries
 
 KV = 2
 ATOL = RTOL = 1e-4 if DEVICE == "cpu" else 1e-2  # the GPU's dots are TF32
@@ -70,9 +71,11 @@ def test_decode_kernel_matches_reference(d, gqa, page, hot, formats, splits):
     q = torch.randn(len(LENS), KV * gqa, d, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
     ref = reference.decode_attention(*args, d**-0.5)
-    out = api.decode_attention(*args, backend="triton", num_splits=splits, block_n=16)
-    assert not torch.isnan(out).any()
-    assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (out - ref).abs().max()
+    for in_kernel in (True, False):  # queries rotated inside the split kernel, or before it in torch
+        out = api.decode_attention(*args, backend="triton", num_splits=splits, block_n=16,
+                                   rotate_q_in_kernel=in_kernel)
+        assert not torch.isnan(out).any()
+        assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (in_kernel, (out - ref).abs().max())
 
 
 def test_decode_split_count_does_not_change_the_result():
@@ -94,6 +97,38 @@ def test_decode_bf16_query_and_empty_request():
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     assert torch.equal(out[0], torch.zeros_like(out[0]))  # no tokens: zero output, no NaN
     assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_decode_strided_half_query_as_sglang_passes_it(dtype):
+    # SGLang's q is a column slice of the fused QKV output: rows strided by the QKV width, heads by d.
+    # Both rotation paths, the half-precision output written by the reduce (bf16) or cast after it (fp16).
+    d, gqa = 128, 4
+    paged, rot, store = build([5, 30], d, None, 16, True, 11, formats=(F(2, symmetric=True), F(4, 32)))
+    qkv = torch.randn(2, (KV * gqa + 2 * KV) * d, generator=torch.Generator().manual_seed(11)).to(DEVICE, dtype)
+    q = qkv[:, :KV * gqa * d].reshape(2, KV * gqa, d)
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+    ref = reference.decode_attention(*args, d**-0.5)
+    for in_kernel in (True, False):
+        out = api.decode_attention(*args, backend="triton", num_splits=3, block_n=16, rotate_q_in_kernel=in_kernel)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert torch.allclose(out.float(), ref.float(), atol=1e-2, rtol=2**-7), (in_kernel, (out - ref).abs().max())
+
+
+def test_decode_rotates_queries_in_the_kernel_on_small_grids_only(monkeypatch):
+    from oscar_sglang.kernels.decode import triton_kernel as dec
+
+    calls = []
+    monkeypatch.setattr(dec, "rotate_queries", lambda q, r: calls.append(q.shape) or rotate_queries(q, r))
+    paged, rot, store = build([9, 33], 64, 64, 1, True, 8)
+    limit = dec.ROTATE_IN_KERNEL_WAVES * dec._processors(torch.device(DEVICE))  # programs
+    q = torch.randn(2, KV * 2, 64, device=DEVICE)  # grid: 2 requests x KV heads x splits
+    for splits, want_torch in ((limit // (2 * KV), False), (limit // (2 * KV) + 1, True)):
+        calls.clear()
+        api.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens,
+                             backend="triton", num_splits=splits, block_n=16)
+        assert bool(calls) == want_torch, (splits, limit, calls)
 
 
 @pytest.mark.parametrize("kf,vf", [(F(4), F(2, 32)), (F(8, 16), F(4))], ids=["K4-V2g32", "K8g16-V4"])

@@ -105,6 +105,30 @@ def load_rows(codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, cold, hot,
 
 
 @triton.jit
+def rotate_rows(x_ptr, mean_ptr, rot_ptr, tmask, HAS_MEAN: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                KC: tl.constexpr):
+    """Pieces of ``(x - mean) @ R`` for rows at ``x_ptr[BLOCK_T]`` (row starts; fp32, IEEE dots, ``KC`` input
+    columns at a time, small operands, no register spills): the write kernel's keys and values, the decode
+    kernel's queries."""
+    i = tl.arange(0, D // 4)
+    c = tl.arange(0, KC)
+    x0 = tl.zeros([BLOCK_T, D // 4], tl.float32)
+    x1 = tl.zeros([BLOCK_T, D // 4], tl.float32)
+    x2 = tl.zeros([BLOCK_T, D // 4], tl.float32)
+    x3 = tl.zeros([BLOCK_T, D // 4], tl.float32)
+    for k0 in tl.static_range(0, D, KC):
+        x = tl.load(x_ptr[:, None] + k0 + c[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
+        if HAS_MEAN:
+            x = x - tl.load(mean_ptr + k0 + c)[None, :]
+        r = rot_ptr + (k0 + c)[:, None] * D + 4 * i[None, :]
+        x0 += tl.dot(x, tl.load(r + 0), input_precision="ieee")
+        x1 += tl.dot(x, tl.load(r + 1), input_precision="ieee")
+        x2 += tl.dot(x, tl.load(r + 2), input_precision="ieee")
+        x3 += tl.dot(x, tl.load(r + 3), input_precision="ieee")
+    return x0, x1, x2, x3
+
+
+@triton.jit
 def load_query_pieces(ptr, mask, D: tl.constexpr):
     """Four pieces ``[ROWS, D // 4]`` of fp32 rows at ``ptr[ROWS]`` (row starts)."""
     i = tl.arange(0, D // 4)

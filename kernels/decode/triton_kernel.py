@@ -4,8 +4,13 @@ Stage 1, grid ``(batch, kv_heads, num_splits)``: a program reads its split of
 one request's tokens for one KV head once, for all the query heads of the
 group (padded to at least 16 rows for ``tl.dot``), and writes a normalised
 partial output and its log2-sum-exp.  Stage 2, grid ``(batch, q_heads)``,
-merges the splits.  The query is rotated before and the output de-rotated
-after, in torch (one small matmul each).
+merges the splits, de-rotates the output and casts it to the query's dtype
+(one launch; these were three in torch).  The query is rotated inside stage 1
+on small grids (``rotate_rows``, as the write kernel rotates keys: fp32 IEEE
+dots, each program its own group's rows), so a small batch's decode is two
+launches per layer, as SGLang's own Triton decode is; on large grids it is
+rotated before, in torch (a cast and a matmul), to keep stage 1's registers
+low (see ``decode_attention``).
 
 Keys and values are read in their own formats (constexprs ``K_BITS``/``K_G``,
 ``V_BITS``/``V_G``; 2, 4 or 8 bits, from ``store.k_format``/``v_format``),
@@ -19,25 +24,27 @@ import torch
 import triton
 import triton.language as tl
 
-from oscar_sglang.rotation import derotate_output, rotate_queries
+from oscar_sglang.rotation import rotate_queries
 
-from ..common.triton_helpers import attend_stored_block, load_query_pieces, store_pieces
+from ..common.triton_helpers import attend_stored_block, bf16_rne, load_query_pieces, rotate_rows, store_pieces
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+ROTATE_IN_KERNEL_WAVES = 2  # decode_attention's automatic choice of where the queries are rotated
 # fp32 dot operands: TF32 tensor cores on the GPU (about 1e-3 relative per
 # product, below bf16's 4e-3); the interpreter computes them in fp32.
 DOT_PRECISION = "tf32"
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_hot, v_hot, hot_index,
+def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_hot, v_hot, hot_index,
                          req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
                          stride_qb, stride_qh, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
                          GQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
-                         V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr):
+                         V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
+                         ROTATE_Q: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -50,7 +57,11 @@ def _decode_split_kernel(q_ptr, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
     h = tl.arange(0, BLOCK_H)
     hmask = h < GQ
     qh = kvh * GQ + h
-    q0, q1, q2, q3 = load_query_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
+    if ROTATE_Q:  # q @ R_K[kvh] here (q_ptr: the unrotated queries, any float dtype)
+        q0, q1, q2, q3 = rotate_rows(q_ptr + b * stride_qb + qh * stride_qh, q_rot, q_rot + kvh * D * D, hmask,
+                                     False, BLOCK_H, D, 32)
+    else:  # q_ptr: fp32 queries rotated before the launch
+        q0, q1, q2, q3 = load_query_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)
@@ -72,8 +83,14 @@ def _decode_split_kernel(q_ptr, k_codes, k_scale, k_zero, v_codes, v_scale, v_ze
 
 
 @triton.jit
-def _decode_reduce_kernel(mid_o, mid_lse, out, NUM_SPLITS, S_PAD: tl.constexpr, D: tl.constexpr):
-    """Merge the splits of one (request, query head): weights ``2^(lse_s - max)``; all-empty gives 0."""
+def _decode_reduce_kernel(mid_o, mid_lse, out, v_rot, NUM_SPLITS, Q_HEADS, S_PAD: tl.constexpr, D: tl.constexpr,
+                          GQ: tl.constexpr, DEROTATE: tl.constexpr, EC: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Merge the splits of one (request, query head): weights ``2^(lse_s - max)``; all-empty gives 0.
+
+    ``DEROTATE``: the merged row times ``R_V[kv head]^T`` (``EC`` output columns at a time), as
+    ``oscar_sglang.rotation.derotate_output``.  ``OUT_BF16``: ``out`` is bf16, rounded to nearest-even as
+    torch's cast (the interpreter's own cast truncates); else fp32.
+    """
     pid = tl.program_id(0).to(tl.int64)  # b * q_heads + h
     s = tl.arange(0, S_PAD)
     smask = s < NUM_SPLITS
@@ -85,7 +102,19 @@ def _decode_reduce_kernel(mid_o, mid_lse, out, NUM_SPLITS, S_PAD: tl.constexpr, 
     o = tl.load(mid_o + (pid * NUM_SPLITS + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
     den = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(den > 0, den, 1.0)
-    tl.store(out + pid * D + d, res)
+    if DEROTATE:
+        rot = v_rot + ((pid % Q_HEADS) // GQ) * D * D
+        e = tl.arange(0, EC)
+        for e0 in tl.static_range(0, D, EC):
+            r = tl.load(rot + (e0 + e)[:, None] * D + d[None, :])  # rows e of R: out[e] = sum_d res[d] R[e, d]
+            part = tl.sum(r * res[None, :], 1)
+            if OUT_BF16:
+                part = bf16_rne(part)
+            tl.store(out + pid * D + e0 + e, part)
+    else:
+        if OUT_BF16:
+            res = bf16_rne(res)
+        tl.store(out + pid * D + d, res)
 
 
 @functools.lru_cache(maxsize=8)
@@ -104,19 +133,37 @@ def choose_splits(batch: int, kv_heads: int, device: torch.device, max_seq_len: 
     return max(1, min(MAX_SPLITS, s))
 
 
-def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor) -> torch.Tensor:
-    """Stage 2: ``mid_o [B, H, S, D]``, ``mid_lse [B, H, S]`` (log2) -> ``[B, H, D]`` fp32."""
+def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, v_rot: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stage 2: ``mid_o [B, H, S, D]``, ``mid_lse [B, H, S]`` (log2) -> ``[B, H, D]`` in ``dtype``.
+
+    With ``v_rot [kv_heads, D, D]`` (fp32, contiguous) the merged rows are also de-rotated, query head ``h``
+    by ``v_rot[h // (H / kv_heads)]``.  fp32 and bf16 are written by the kernel; another dtype is a cast after.
+    """
     b, h, s, d = mid_o.shape
-    out = torch.empty(b, h, d, dtype=torch.float32, device=mid_o.device)
-    _decode_reduce_kernel[(b * h,)](mid_o, mid_lse, out, s, S_PAD=triton.next_power_of_2(s), D=d)
-    return out
+    direct = dtype in (torch.float32, torch.bfloat16)
+    out = torch.empty(b, h, d, dtype=dtype if direct else torch.float32, device=mid_o.device)
+    gq = h // v_rot.shape[0] if v_rot is not None else 1
+    _decode_reduce_kernel[(b * h,)](mid_o, mid_lse, out, v_rot if v_rot is not None else mid_lse, s, h,
+                                    S_PAD=triton.next_power_of_2(s), D=d, GQ=gq, DEROTATE=v_rot is not None,
+                                    EC=min(d, 32), OUT_BF16=out.dtype == torch.bfloat16)
+    return out if direct else out.to(dtype)
 
 
 def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, max_seq_len: int | None = None,
-                     block_n: int = 32, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`."""
+                     block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
+                     rotate_q_in_kernel: bool | None = None) -> torch.Tensor:
+    """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
+
+    ``rotate_q_in_kernel`` (default: automatic): rotate the queries inside the split kernel (two launches
+    in all) or before it in torch (four: a cast and a matmul more).  Automatic chooses the kernel where the
+    grid is at most :data:`ROTATE_IN_KERNEL_WAVES` programs per multiprocessor (small batches, where a
+    launch costs more than the work and occupancy does not matter: ``choose_splits`` sizes such grids to
+    2 per multiprocessor), torch beyond (the rotation costs the split kernel registers: 167 -> 178 for d 128
+    INT2, GQA 4, on sm_90 with triton 3.6, which drops it from 3 to 2 resident programs per multiprocessor).
+    """
     bsz, q_heads, d = q.shape
     kv, kf, vf = store.kv_heads, store.k_format, store.v_format
     gq = q_heads // kv
@@ -126,16 +173,21 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         return torch.zeros_like(q)
     require_contiguous(store, rot)
     splits = num_splits or choose_splits(bsz, kv, q.device, max_seq_len, block_n)
-    qr = rotate_queries(q, rot.q_rot).contiguous()
+    if rotate_q_in_kernel is None:
+        rotate_q_in_kernel = bsz * kv * splits <= ROTATE_IN_KERNEL_WAVES * _processors(q.device)
+    if not rotate_q_in_kernel:
+        q_in = rotate_queries(q, rot.q_rot).contiguous()
+    else:
+        q_in = q if q.stride(-1) == 1 else q.contiguous()
     mid_o = torch.empty(bsz, q_heads, splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(bsz, q_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, kv, splits)](
-        qr, *store.row_args(),
+        q_in, rot.q_rot, *store.row_args(),
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        qr.stride(0), qr.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
+        q_in.stride(0), q_in.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
         GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
         K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=DOT_PRECISION,
-        K_SYM=kf.symmetric, V_SYM=vf.symmetric,
+        K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return derotate_output(merge_splits(mid_o, mid_lse), rot.v_rot).to(q.dtype)
+    return merge_splits(mid_o, mid_lse, rot.v_rot, q.dtype)

@@ -154,5 +154,5 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
-        out = merge_splits(out, mid_lse)
+        return merge_splits(out, mid_lse, rot.v_rot, q.dtype)  # merged, de-rotated and cast in one launch
     return derotate_output(out, rot.v_rot).to(q.dtype)

@@ -20,30 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.triton_helpers import bf16_rne, code_word_ptr, round_half_even
+from ..common.triton_helpers import bf16_rne, code_word_ptr, rotate_rows, round_half_even
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
-
-
-@triton.jit
-def _rotate(x_ptr, mean_ptr, rot_ptr, tmask, HAS_MEAN: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
-            KC: tl.constexpr):
-    """Pieces of ``(x - mean) @ R`` for rows at ``x_ptr[BLOCK_T]`` (fp32, IEEE dots, ``KC`` input columns at a time)."""
-    i = tl.arange(0, D // 4)
-    c = tl.arange(0, KC)
-    x0 = tl.zeros([BLOCK_T, D // 4], tl.float32)
-    x1 = tl.zeros([BLOCK_T, D // 4], tl.float32)
-    x2 = tl.zeros([BLOCK_T, D // 4], tl.float32)
-    x3 = tl.zeros([BLOCK_T, D // 4], tl.float32)
-    for k0 in tl.static_range(0, D, KC):
-        x = tl.load(x_ptr[:, None] + k0 + c[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-        if HAS_MEAN:
-            x = x - tl.load(mean_ptr + k0 + c)[None, :]
-        r = rot_ptr + (k0 + c)[:, None] * D + 4 * i[None, :]
-        x0 += tl.dot(x, tl.load(r + 0), input_precision="ieee")
-        x1 += tl.dot(x, tl.load(r + 1), input_precision="ieee")
-        x2 += tl.dot(x, tl.load(r + 2), input_precision="ieee")
-        x3 += tl.dot(x, tl.load(r + 3), input_precision="ieee")
-    return x0, x1, x2, x3
 
 
 @triton.jit
@@ -152,12 +130,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
     row = slot * KV + h
     hot_row = entry * KV + h
     t64 = t.to(tl.int64)
-    x0, x1, x2, x3 = _rotate(k_ptr + t64 * stride_kt + h * stride_kh, k_mean + h * D, k_rot + h * D * D, tmask,
-                             True, BLOCK_T, D, KC)
+    x0, x1, x2, x3 = rotate_rows(k_ptr + t64 * stride_kt + h * stride_kh, k_mean + h * D, k_rot + h * D * D, tmask,
+                                 True, BLOCK_T, D, KC)
     _quantize_store(x0, x1, x2, x3, tl.load(k_clip + h), k_codes, k_scale, k_zero, k_hot,
                     row, hot_row, tmask, hmask, HAS_HOT, D, K_G, K_BITS, K_SYM)
-    x0, x1, x2, x3 = _rotate(v_ptr + t64 * stride_vt + h * stride_vh, k_mean, v_rot + h * D * D, tmask,
-                             False, BLOCK_T, D, KC)
+    x0, x1, x2, x3 = rotate_rows(v_ptr + t64 * stride_vt + h * stride_vh, k_mean, v_rot + h * D * D, tmask,
+                                 False, BLOCK_T, D, KC)
     _quantize_store(x0, x1, x2, x3, tl.load(v_clip + h), v_codes, v_scale, v_zero, v_hot,
                     row, hot_row, tmask, hmask, HAS_HOT, D, V_G, V_BITS, V_SYM)
 
