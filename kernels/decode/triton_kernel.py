@@ -161,8 +161,9 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     in all) or before it in torch (four: a cast and a matmul more).  Automatic chooses the kernel where the
     grid is at most :data:`ROTATE_IN_KERNEL_WAVES` programs per multiprocessor (small batches, where a
     launch costs more than the work and occupancy does not matter: ``choose_splits`` sizes such grids to
-    2 per multiprocessor), torch beyond (the rotation costs the split kernel registers: 167 -> 178 for d 128
-    INT2, GQA 4, on sm_90 with triton 3.6, which drops it from 3 to 2 resident programs per multiprocessor).
+    2 per multiprocessor, all resident at once), torch beyond (the rotation costs the split kernel registers:
+    for d 128 INT2, GQA 4, on sm_90, 125 -> 196 with triton 3.6, the GPU machine's, and 167 -> 178 with
+    3.8, which halves or cuts by one the programs resident per multiprocessor).
     """
     bsz, q_heads, d = q.shape
     kv, kf, vf = store.kv_heads, store.k_format, store.v_format
