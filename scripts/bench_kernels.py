@@ -328,6 +328,11 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
     where = f"d={d} batch={batch} ctx={ctx}"
 
     row["int2_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx))
+    # where the queries are rotated: the automatic choice (timed above) against the other one
+    in_kernel = decode_tk.rotates_q_in_kernel(batch, KV_HEADS, row["splits"], DEVICE)
+    row["q_rot"] = "kernel" if in_kernel else "torch"
+    row["int2_other_q_rot_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx,
+                                                                          rotate_q_in_kernel=not in_kernel))
     st4 = with_keys(st, k4)  # the same tokens, hot rows and values; INT4 keys
     row["int4k_ms"] = timed(lambda: decode_tk.decode_attention(q, st4, rot, *targs, max_seq_len=ctx))
 
@@ -533,6 +538,17 @@ def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: l
                      f"{r['sdpa_MB']:.4g} | {r['int2_GBps']:.4g} | {_pct(r, 'int2')} | {_pct(r, 'int4k')} | "
                      f"{_pct(r, 'triton_bf16')} | {_pct(r, 'sdpa')} | "
                      f"{_pct(r, 'flashinfer')} |")
+    lines += ["", "## Where the queries are rotated (INT2 decode)", "",
+              "The automatic choice rotates them inside the split kernel (2 launches per layer) when its grid is "
+              f"at most {decode_tk.ROTATE_IN_KERNEL_WAVES} programs per multiprocessor, else before it in torch "
+              "(4 launches, fewer registers); the INT2 columns above are the automatic choice. other / chosen "
+              "> 1: the choice was the faster one.", "",
+              "| d | batch | context | splits | chosen | INT2 ms, chosen | INT2 ms, other | other / chosen |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in decode:
+        lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {r['splits']} | {r['q_rot']} | "
+                     f"{r['int2_ms']:.3f} | {r['int2_other_q_rot_ms']:.3f} | "
+                     f"{r['int2_other_q_rot_ms'] / r['int2_ms']:.2f} |")
     if skipped:
         lines += ["", "## Skipped decode cases", "", "| d | batch | context | reason |", "|---|---|---|---|"]
         lines += [f"| {s['d']} | {s['batch']} | {s['context']} | {s['reason']} |" for s in skipped]

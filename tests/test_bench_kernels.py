@@ -188,11 +188,18 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
         assert row["best_bf16"] in ("triton_bf16", "sdpa", "flashinfer") and row["speedup"] > 0
         assert row["smoke_page_table_vs_fp32"] < 1e-3 and row["smoke_triton_bf16_vs_fp32"] < 2e-2
         assert row["int4k_ms"] > 0 and row["int4k_MB"] > row["int2_MB"] and row["speedup_int4k"] > 0
+        assert row["q_rot"] in ("kernel", "torch") and row["int2_other_q_rot_ms"] > 0
     assert set(data["check"]["per_format"]) == {"int2", "int4k"}
     assert {(r["d"], r["formats"]) for r in data["write"]} == {(d, f) for d in (64, 128) for f in ("int2", "int4k")}
     assert (tmp_path / "bench_kernels_cpu_smoke.png").stat().st_size > 0
     md = (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
     assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md and "INT4-K" in md
+    assert "## Where the queries are rotated" in md
+    from oscar_sglang.kernels.decode.triton_kernel import rotates_q_in_kernel
+
+    for row in data["decode"]:  # the label is the choice decode_attention made (CPU: 4 "multiprocessors")
+        chosen = rotates_q_in_kernel(row["batch"], row["kv_heads"], row["splits"], torch.device("cpu"))
+        assert row["q_rot"] == ("kernel" if chosen else "torch")
     # the GPU-proof goals read this report's keys (scripts/device/goals.py), judged here from the longest context
     goals = load_script("device/goals.py")
     bandwidth, batch1 = goals.kernel_goals(data, long=320)

@@ -133,6 +133,12 @@ def choose_splits(batch: int, kv_heads: int, device: torch.device, max_seq_len: 
     return max(1, min(MAX_SPLITS, s))
 
 
+def rotates_q_in_kernel(batch: int, kv_heads: int, splits: int, device: torch.device) -> bool:
+    """``decode_attention``'s automatic choice: rotate the queries in the split kernel when its grid is at most
+    :data:`ROTATE_IN_KERNEL_WAVES` programs per multiprocessor."""
+    return batch * kv_heads * splits <= ROTATE_IN_KERNEL_WAVES * _processors(device)
+
+
 def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, v_rot: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Stage 2: ``mid_o [B, H, S, D]``, ``mid_lse [B, H, S]`` (log2) -> ``[B, H, D]`` in ``dtype``.
@@ -175,7 +181,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     require_contiguous(store, rot)
     splits = num_splits or choose_splits(bsz, kv, q.device, max_seq_len, block_n)
     if rotate_q_in_kernel is None:
-        rotate_q_in_kernel = bsz * kv * splits <= ROTATE_IN_KERNEL_WAVES * _processors(q.device)
+        rotate_q_in_kernel = rotates_q_in_kernel(bsz, kv, splits, q.device)
     if not rotate_q_in_kernel:
         q_in = rotate_queries(q, rot.q_rot).contiguous()
     else:
