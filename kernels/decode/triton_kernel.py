@@ -169,7 +169,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     launch costs more than the work and occupancy does not matter: ``choose_splits`` sizes such grids to
     2 per multiprocessor, all resident at once), torch beyond (the rotation costs the split kernel registers:
     for d 128 INT2, GQA 4, on sm_90, 125 -> 196 with triton 3.6, the GPU machine's, and 167 -> 178 with
-    3.8, which halves or cuts by one the programs resident per multiprocessor).
+    3.8: programs resident per multiprocessor 4 -> 2 and 3 -> 2).
     """
     bsz, q_heads, d = q.shape
     kv, kf, vf = store.kv_heads, store.k_format, store.v_format
