@@ -131,6 +131,36 @@ def test_decode_rotates_queries_in_the_kernel_on_small_grids_only(monkeypatch):
         assert bool(calls) == want_torch, (splits, limit, calls)
 
 
+def test_small_grid_decode_runs_no_torch_compute_around_its_two_kernels():
+    # Two launches per layer at small batch: no rotation matmul, cast or copy in torch around the split and
+    # merge kernels (the interpreter's own tensor bookkeeping is not in the list); the torch-rotation path
+    # shows the recorder sees the glue's ops.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    glue = {"aten.bmm", "aten.mm", "aten.addmm", "aten.baddbmm", "aten._to_copy", "aten.clone", "aten.mul",
+            "aten.add"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    paged, rot, store = build([5, 20], 64, None, 16, True, 3)
+    q = torch.randn(2, KV * 2, 64, device=DEVICE).bfloat16()
+    seen = {}
+    for in_kernel in (True, False):
+        with Ops() as ops:
+            api.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens,
+                                 backend="triton", num_splits=2, rotate_q_in_kernel=in_kernel)
+        seen[in_kernel] = ops.seen & glue
+    assert seen[True] == set(), seen[True]
+    assert {"aten.bmm", "aten._to_copy"} <= seen[False], seen[False]
+
+
 @pytest.mark.parametrize("kf,vf", [(F(4), F(2, 32)), (F(8, 16), F(4))], ids=["K4-V2g32", "K8g16-V4"])
 def test_reference_on_a_mixed_store_is_attention_over_the_format_rows(kf, vf):
     # Independent of read_rotated and of the store's packing: each side's rows are the format's round trip
