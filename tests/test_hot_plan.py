@@ -85,6 +85,10 @@ def _assert_same(new: HotSet, ref: RefHotSet, what=""):
     assert torch.equal(new.stamp, ref.stamp), what
     c = new.counters
     assert (c["in_window_evictions"], c["denied"]) == (ref.in_window_evictions, ref.denied), what
+    if new._req_len is not None:                                  # the request rows tracked
+        rows = range(new._req_len.numel())
+        assert new._req_len.tolist() == [ref.req_len.get(r, 0) for r in rows], what
+        assert [int(new._req_pass[r]) for r in ref.req_len] == [ref.req_pass[r] for r in ref.req_len], what
 
 
 class _Traffic:
@@ -200,6 +204,54 @@ def test_begin_pass_matches_the_reference_through_random_traffic(seed):
             cold = torch.tensor(rng.sample(sorted(traffic.refs), min(3, len(traffic.refs))))
             new.release(cold), ref.release(cold)
             _assert_same(new, ref, what)
+
+
+def _state(hs: HotSet):
+    return [t.clone() for t in (hs._hot_index[:-1], hs._owner[:-1], hs._stamp[:-1], hs._clock,
+                                hs._in_window_evictions, hs._denied, hs._req_len, hs._req_pass)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_padded_rows_of_a_graph_batch_change_nothing(seed):
+    """A decode pass recorded at a padded batch (``live``): the padded rows, whatever rows, slots and lengths
+    they hold (live requests', ended requests' with stale rows, SGLang's row 0 / slot 0 / length 1), leave
+    the state exactly as the same pass over the live rows alone."""
+    rng = random.Random(500 + seed)
+    sink, recent = rng.choice([(1, 3), (2, 8), (4, 16)])
+    recent_entries = rng.choice([12, 40])                     # 12: live windows get evicted
+    padded, plain = (HotSet(200, 8, recent_entries, sink, recent) for _ in range(2))
+    for hs in (padded, plain):
+        hs.track_requests(12)
+
+    def on_end(rows, req_to_token):
+        padded.end_requests(rows, req_to_token), plain.end_requests(rows, req_to_token)
+
+    traffic = _Traffic(rng, 200, width=64, on_end=on_end)
+    decodes = 0
+    for step in range(150):
+        reqs = traffic.next_pass()
+        rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
+        prefix = torch.tensor([p for _, p, _ in reqs], dtype=torch.int64)
+        seq = torch.tensor([p + len(s) for _, p, s in reqs], dtype=torch.int64)
+        loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64)
+        if not (reqs and all(len(s) == 1 for _, _, s in reqs)):
+            for hs in (padded, plain):
+                hs.begin_pass(loc, rows, prefix, seq, traffic.req_to_token)
+            continue
+        decodes += 1
+        pad = rng.choice([1, 2, 5])
+        pad_rows = torch.tensor([rng.choice([0, rng.randrange(12)]) for _ in range(pad)])
+        pad_seq = torch.tensor([rng.choice([1, rng.randrange(1, 65)]) for _ in range(pad)])
+        held = sorted(traffic.refs)                                 # slots holding tokens (some with a BF16 copy)
+        pad_loc = torch.tensor([rng.choice([0, int(rng.choice(loc)), rng.choice(held)]) for _ in range(pad)])
+        want = plain.begin_pass(loc, rows, seq - 1, seq, traffic.req_to_token, decode=True)
+        all_seq = torch.cat([seq, pad_seq])
+        got = padded.begin_pass(torch.cat([loc, pad_loc]), torch.cat([rows, pad_rows]), all_seq - 1, all_seq,
+                                traffic.req_to_token, decode=True, live=torch.arange(len(seq) + pad) < len(seq))
+        assert got.tolist() == want.tolist() + [-1] * pad, (seed, step)
+        for a, b in zip(_state(padded), _state(plain)):
+            assert torch.equal(a, b), (seed, step)
+    assert decodes >= 20
 
 
 @pytest.mark.parametrize("seed", range(12))

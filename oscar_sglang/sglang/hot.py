@@ -206,6 +206,8 @@ class HotSet:
         # length of each request row after its last pass, and that pass's number (see track_requests)
         self._req_len: torch.Tensor | None = None
         self._req_pass: torch.Tensor | None = None
+        # made now, not first inside a CUDA graph capture (where it would hold nothing until a replay)
+        _columns(sink, recent, self.device)
 
     @property
     def device(self) -> torch.device:
@@ -239,8 +241,10 @@ class HotSet:
         ``req_to_token`` (allocated once, before serving: the per-pass path
         then only writes into it).
         """
-        self._req_len = torch.zeros(rows, dtype=torch.long, device=self.device)
-        self._req_pass = torch.zeros(rows, dtype=torch.long, device=self.device)
+        # one spare element at the end of each (the trash, index -1): a CUDA graph's padded rows write there
+        self._req_len_buf = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
+        self._req_pass_buf = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
+        self._req_len, self._req_pass = self._req_len_buf[:rows], self._req_pass_buf[:rows]
 
     def end_requests(self, rows, req_to_token: torch.Tensor) -> None:
         """Requests in ``rows`` (``req_to_token`` rows being freed) ended: their window entries go out of window.
@@ -302,8 +306,8 @@ class HotSet:
         self._owner.fill_(-1)
         self._stamp.fill_(-1)
         if self._req_len is not None:
-            self._req_len.zero_()
-            self._req_pass.zero_()
+            self._req_len_buf.zero_()
+            self._req_pass_buf.zero_()
 
     def retire(self, slots: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """The entries of ``slots`` (those holding one, and where ``mask``) go out of window (stamp 0)."""
@@ -314,12 +318,14 @@ class HotSet:
             entry = torch.where(mask.to(self.device).reshape(-1), entry, self._cold)
         self._stamp.index_put_((entry.long(),), self._zero)
 
-    def release(self, slots: torch.Tensor) -> None:
-        """Slots lose their entries (if any); the entries become free."""
+    def release(self, slots: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Slots (where ``mask``, if given) lose their entries (if any); the entries become free."""
         if slots.numel() == 0:
             return
         slots = slots.to(self.device).reshape(-1)
         entry = self._hot_index.index_select(0, slots)           # -1 (none) addresses the trash
+        if mask is not None:                                     # elsewhere both writes go to the trashes
+            entry, slots = torch.where(mask, entry, self._cold), torch.where(mask, slots, self._none)
         self._owner.index_put_((entry,), self._none)
         self._stamp.index_put_((entry,), self._none)
         self._hot_index.index_put_((slots,), self._cold)
@@ -394,11 +400,14 @@ class HotSet:
     def update(self, new_slots: torch.Tensor, new_pos: torch.Tensor, new_len: torch.Tensor,
                kept_slots: torch.Tensor | None = None, kept_mask: torch.Tensor | None = None,
                batch_size: int | None = None, leave_slots: torch.Tensor | None = None,
-               leave_mask: torch.Tensor | None = None, repin: torch.Tensor | None = None) -> torch.Tensor:
+               leave_mask: torch.Tensor | None = None, repin: torch.Tensor | None = None,
+               new_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Apply one forward pass (see the module docstring); returns ``hot_loc`` int64 ``[n]``.
 
         ``new_slots`` must be distinct (SGLang never writes a slot twice in a
-        pass).  ``leave_slots`` (any shape) go out of window where
+        pass), except where ``new_mask`` (``[n]`` bool) is False: those new
+        tokens take no entry (their ``hot_loc`` is -1) and their slots are not
+        released (a CUDA graph's padded rows).  ``leave_slots`` (any shape) go out of window where
         ``leave_mask``, then ``kept_slots`` are stamped where ``kept_mask``,
         then, given SGLang's ``req_to_token`` as ``repin`` (and
         :meth:`track_requests`), the windows of all live requests are
@@ -409,7 +418,9 @@ class HotSet:
         self._clock.add_(1)
         new_slots = new_slots.to(self.device).long()
         n = new_slots.numel()
-        self.release(new_slots)
+        if new_mask is not None:
+            new_mask = new_mask.to(self.device)
+        self.release(new_slots, new_mask)
         if leave_slots is not None:
             self.retire(leave_slots, leave_mask)
         if kept_slots is not None:
@@ -422,6 +433,8 @@ class HotSet:
         new_len = new_len.to(self.device)
         is_sink = windows.in_sink(new_pos, self.sink)
         is_recent = windows.in_recent(new_pos, new_len, self.sink, self.recent)
+        if new_mask is not None:
+            is_sink, is_recent = is_sink & new_mask, is_recent & new_mask
         sink_demand = recent_demand = n
         if batch_size is not None:
             sink_demand, recent_demand = min(n, batch_size * self.sink), min(n, batch_size * self.recent)
@@ -429,21 +442,32 @@ class HotSet:
 
     def begin_pass(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor,
                    prefix_lens: torch.Tensor | Sequence[int], seq_lens: torch.Tensor | Sequence[int],
-                   req_to_token: torch.Tensor, *, decode: bool = False) -> torch.Tensor:
+                   req_to_token: torch.Tensor, *, decode: bool = False,
+                   live: torch.Tensor | None = None) -> torch.Tensor:
         """One forward pass from SGLang's batch tensors; returns ``hot_loc`` per new token.
 
         Request ``b`` (row ``req_pool_indices[b]`` of ``req_to_token``) grows
         from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens; its new tokens are at
         ``out_cache_loc``, in request order.  ``decode``: one new token per
-        request (``seq = prefix + 1``).  Device tensors in, device tensors out;
-        the only host numbers used are the sizes of ``out_cache_loc``,
-        ``req_pool_indices`` and ``req_to_token``.
+        request (``seq = prefix + 1``).  ``live`` (decode only, ``[batch]``
+        bool): rows where it is False are a CUDA graph's padding and change
+        nothing (no entry taken, stamped, retired or released, no length
+        tracked; ``hot_loc`` -1), so the pass can be recorded at a padded batch
+        size and replayed with any number of live rows.  Device tensors in,
+        device tensors out; the only host numbers used are the sizes of
+        ``out_cache_loc``, ``req_pool_indices`` and ``req_to_token``.
         """
         n, batch = out_cache_loc.numel(), req_pool_indices.numel()
+        if live is not None and not decode:
+            raise ValueError("live rows are for decode passes (one new token per row)")
         plan = window_plan(prefix_lens, seq_lens, n, self.sink, self.recent, device=self.device,
                            one_new_each=decode)
         kept = leave = None
         rows = req_pool_indices.to(self.device)
+        keep_mask, leave_mask = plan.keep_mask, plan.leave_mask
+        if live is not None:
+            live = live.to(self.device)
+            keep_mask, leave_mask = keep_mask & live.unsqueeze(1), leave_mask & live.unsqueeze(1)
         if batch and plan.keep_pos.shape[1]:
             pos = plan.keep_pos
             if req_to_token.shape[1] < self.sink + self.recent:   # unused columns may point past a short row
@@ -452,7 +476,8 @@ class HotSet:
         if batch and plan.leave_pos.shape[1]:
             leave = req_to_token[rows.unsqueeze(1), torch.clamp(plan.leave_pos, max=req_to_token.shape[1] - 1)]
         if self._req_len is not None and batch:
-            self._req_len.index_put_((rows.long(),), _lengths(seq_lens, self.device).long())
-            self._req_pass.index_put_((rows.long(),), self._clock + 1)     # the pass update() is about to count
-        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept, plan.keep_mask, batch_size=batch,
-                           leave_slots=leave, leave_mask=plan.leave_mask, repin=req_to_token)
+            tracked = rows.long() if live is None else torch.where(live, rows.long(), self._none)  # -1: trash
+            self._req_len_buf.index_put_((tracked,), _lengths(seq_lens, self.device).long())
+            self._req_pass_buf.index_put_((tracked,), self._clock + 1)     # the pass update() is about to count
+        return self.update(out_cache_loc, plan.new_pos, plan.new_len, kept, keep_mask, batch_size=batch,
+                           leave_slots=leave, leave_mask=leave_mask, repin=req_to_token, new_mask=live)
