@@ -9,8 +9,9 @@
   ``[:bs]`` with ``seq_lens`` filled with the fill value and
   ``req_pool_indices`` / ``out_cache_loc`` zeroed
   (``buffers.reset_index_buffers``), then
-  ``init_forward_metadata_out_graph(forward_batch, in_capture=True)``, then the
-  forward runs for real (warm-up) and is recorded;
+  ``init_forward_metadata_out_graph(forward_batch, in_capture=True)``, then
+  ``init_forward_metadata_in_graph(forward_batch)`` and the forward run for
+  real (warm-up) and are recorded;
 * replay of a batch of ``raw_bs`` live requests: the smallest captured
   ``bs >= raw_bs``; ``fill_from`` copies the live rows into the static buffers
   and pads the tail (``req_pool_indices``, ``out_cache_loc``: 0;
@@ -19,11 +20,17 @@
   view (padded static buffers, the batch's own unpadded ``out_cache_loc``),
   then ``graph.replay()``.
 
+The hot pool's update is recorded in the graph (in
+``init_forward_metadata_in_graph``, from the static buffers, padded rows
+masked), or, with ``OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager``, runs eagerly in the
+replay's ``init_forward_metadata_out_graph``; every replay test runs both.
+
 On a CPU there is no graph to record, so :class:`_GraphRunner` replays by
 calling the recorded code again with exactly what the graph holds: the
 capture-time ``ForwardBatch`` (static buffers) and the capture-time metadata
-object (the Python values baked into the recording); the test checks that the
-replay prep only wrote into the tensors that metadata points at.  Two
+object (the Python values baked into the recording): the in-graph prep and the
+layers; the test checks that the replay prep only wrote into the tensors that
+metadata points at.  Two
 guard tests show the per-layer path records no host sync and no data-dependent
 shape (``TorchDispatchMode``), which is what makes the recording valid on a GPU.
 
@@ -51,6 +58,16 @@ from test_sglang_backend import _backend as backend_over_pool  # noqa: E402
 
 ROWS, CONTEXT = 6, 256          # req_to_token rows (row 0 is SGLang's padding row) and width (max context)
 CAPTURE_BS = (1, 2, 4)          # SGLang's list starts 1, 2, 4, 8, ...
+HOT_UPDATES = ("graph", "eager")
+
+
+@pytest.fixture(params=HOT_UPDATES)
+def hot_update(request, monkeypatch):
+    """Where the graphs update the hot pool (read by ``init_cuda_graph_state``)."""
+    from oscar_sglang.sglang.settings import ENV_GRAPH_HOT_UPDATE
+
+    monkeypatch.setenv(ENV_GRAPH_HOT_UPDATE, request.param)
+    return request.param
 
 
 def _backend(kernel_backend):
@@ -94,7 +111,8 @@ class _GraphRunner:
                                  seq_lens_sum=bs * self.fill)
             backend.init_forward_metadata_out_graph(fb, in_capture=True)
             md = backend.forward_metadata
-            for layer_id in range(LAYERS):                                  # the capture's warm-up forward
+            backend.init_forward_metadata_in_graph(fb)                      # the capture's warm-up forward
+            for layer_id in range(LAYERS):
                 q, k, v = (torch.randn(bs, h * D, generator=g).to(torch.bfloat16).to(DEVICE) for h in (QH, KVH, KVH))
                 backend.forward_decode(q, k, v, _layer(layer_id), fb)
             self.graphs[bs] = (fb, md)
@@ -123,7 +141,8 @@ class _GraphRunner:
         # the replay prep wrote where the recording reads, and decided nothing the recording fixed differently
         assert prep.hot_loc.data_ptr() == md.hot_loc.data_ptr() and prep.hot_loc.shape == md.hot_loc.shape
         assert prep.num_splits == md.num_splits
-        self.backend.forward_metadata = md                                  # what graph.replay() runs with
+        self.backend.forward_metadata = md                                  # what graph.replay() runs:
+        self.backend.init_forward_metadata_in_graph(fb)                     # the recorded prep, then the layers
         outs = []
         g = torch.Generator().manual_seed(1000 + sum(seq))
         for layer_id, (q, k, v) in enumerate(qkv):
@@ -245,11 +264,11 @@ def _run(kernel_backend):
     return runner
 
 
-def test_graph_replay_matches_eager_decode_torch_path():
+def test_graph_replay_matches_eager_decode_torch_path(hot_update):
     _run("torch")
 
 
-def test_graph_replay_matches_eager_decode_triton_path():
+def test_graph_replay_matches_eager_decode_triton_path(hot_update):
     runner = _run("triton")
     splits = {bs: md.num_splits for bs, (_, md) in runner.graphs.items()}
     # fixed at capture from the context bound (CONTEXT), not from the capture batch's lengths (the fill
@@ -258,7 +277,7 @@ def test_graph_replay_matches_eager_decode_triton_path():
     assert splits == {1: 4, 2: 2, 4: 1}
 
 
-def test_fill_value_and_static_hot_loc():
+def test_fill_value_and_static_hot_loc(hot_update):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     backend = _backend("torch")
@@ -266,7 +285,7 @@ def test_fill_value_and_static_hot_loc():
     runner = _GraphRunner(backend, capture_bs=(1, 4))
     _, md = runner.graphs[4]
     assert md.hot_loc.tolist() == [-1] * 4                                   # capture: nothing hot
-    assert backend.pool.hot.clock == 0                                       # and the hot pool untouched
+    assert backend.pool.hot.clock == 0              # and the hot pool untouched (by the warm-ups too)
     with pytest.raises(NotImplementedError, match="decode only"):
         backend.init_forward_metadata_out_graph(SimpleNamespace(forward_mode=ForwardMode.EXTEND), in_capture=True)
 
@@ -292,23 +311,27 @@ def _prepared_graph_backend():
     return backend, runner, g
 
 
-def test_replay_prep_and_recorded_layer_path_are_sync_free():
-    """Strict guard: the replay prep (hot pool update for the live rows) and the per-layer decode of the graph."""
+def test_replay_prep_and_recorded_layer_path_are_sync_free(hot_update):
+    """Strict guard: the replay prep, the in-graph prep (the hot pool update, one or the other) and the
+    per-layer decode of the graph."""
     backend, runner, g = _prepared_graph_backend()
     fb, md = runner.graphs[4]
     runner.req_pool_indices[:2].copy_(torch.tensor([1, 2]))
     runner.seq_lens[:2].copy_(torch.tensor([10, 7]))
+    runner.out_cache_loc[:2].copy_(torch.tensor([10, 46]))
     view = SimpleNamespace(forward_mode=_decode_mode(), batch_size=4, req_pool_indices=runner.req_pool_indices,
                            seq_lens=runner.seq_lens, seq_lens_cpu=runner.seq_lens_cpu, num_padding=2,
                            out_cache_loc=torch.tensor([10, 46], device=DEVICE))
     with NoHostSync():
         backend.init_forward_metadata_out_graph(view)
-    assert (md.hot_loc[:2] >= 0).all() and md.hot_loc[2:].tolist() == [-1, -1]
+    assert md.hot_loc.tolist() == [-1] * 4 if hot_update == "graph" else (md.hot_loc[:2] >= 0).all()
     backend.forward_metadata = md
     q, k, v = (torch.randn(4, h * D, generator=g).to(torch.bfloat16).to(DEVICE) for h in (QH, KVH, KVH))
     with NoHostSync():
+        backend.init_forward_metadata_in_graph(fb)
         for layer_id in range(LAYERS):
             out = backend.forward_decode(q, k, v, _layer(layer_id), fb)
+    assert (md.hot_loc[:2] >= 0).all() and md.hot_loc[2:].tolist() == [-1, -1]
     assert out.shape == (4, QH * D) and torch.isfinite(out.float()[:2]).all()
 
 
@@ -344,6 +367,15 @@ def test_sglang_graph_runner_facts_this_relies_on():
     assert "init_cuda_graph_state(self.max_bs, self.max_num_token)" in src
     assert "init_forward_metadata_out_graph(forward_batch, in_capture=True)" in src
     assert "init_forward_metadata_out_graph(fb_view)" in src
+    # the in-graph prep is recorded in every captured forward, before the model, from the capture's batch,
+    # whose index buffers are the registry slots that fill_from writes before each replay
+    run_once = src[src.index("def run_once():"):]
+    assert run_once.index("self._run_in_graph_metadata_prep(attn_backend, forward_batch)") < run_once.index(
+        "out = forward(") < run_once.index("\n    def ")
+    assert "attn_backend.init_forward_metadata_in_graph(forward_batch)" in src
+    prepare = inspect.getsource(runner.DecodeCudaGraphRunner.capture_prepare)
+    for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
+        assert f'{name} = _slot("{name}")' in prepare
     view = inspect.getsource(runner.build_replay_fb_view)
     assert 'out_cache_loc=getattr(forward_batch, "out_cache_loc", None)' in view     # the batch's own, unpadded
     assert "req_pool_indices=buffers.req_pool_indices[:bs]" in view and "seq_lens=buffers.seq_lens[:bs]" in view

@@ -32,3 +32,10 @@ def test_kv_budget_knob():
     assert st.kv_budget_bytes({st.ENV_KV_BUDGET: "1073741824"}) == 2**30
     with pytest.raises(st.OscarConfigError, match="must be > 0"):
         st.kv_budget_bytes({st.ENV_KV_BUDGET: "0"})
+
+
+def test_graph_hot_update_knob():
+    assert st.graph_hot_update({}) == "graph"
+    assert st.graph_hot_update({st.ENV_GRAPH_HOT_UPDATE: "eager"}) == "eager"
+    with pytest.raises(st.OscarConfigError, match="expected one of graph, eager"):
+        st.graph_hot_update({st.ENV_GRAPH_HOT_UPDATE: "later"})

@@ -25,16 +25,22 @@ with ``in_capture=True`` before recording the forward, and before every replay
 ``init_forward_metadata_out_graph(view)`` with a view of its padded static
 buffers (``req_pool_indices`` padded with 0, the runner's reserved request
 row; ``seq_lens`` padded with :meth:`get_cuda_graph_seq_len_fill_value`) and
-the batch's own, unpadded ``out_cache_loc``.  What is recorded is the
-per-layer work of :meth:`forward_decode` (write path, query rotation, split-K
-decode kernel, de-rotation) at the padded batch, reading its one per-pass
-input, ``hot_loc``, from a static buffer; the split count is fixed per ``bs``
-at capture (empty splits cost one early exit).  What runs eagerly before each
-replay is the hot side pool's update (``HotSet.begin_pass``) for the live
-rows only, whose ``hot_loc`` is copied into the static buffer; the padded
-rows' entries are -1, so they write INT2 rows to the runner's padding slot 0
-(as every SGLang backend's padded rows do) and never touch the hot pool.
-Prefill (extend) always runs eagerly.
+the batch's own, unpadded ``out_cache_loc``.  What is recorded, at the padded
+batch, is first the hot side pool's update (``HotSet.begin_pass``, in
+:meth:`~OscarInt2AttnBackend.init_forward_metadata_in_graph`, which SGLang
+records before the layers) from the runner's static ``out_cache_loc``,
+``req_pool_indices`` and ``seq_lens``, the padded rows (``out_cache_loc`` 0,
+SGLang's padding slot) masked out so they never touch the hot pool, its
+``hot_loc`` written to a static buffer; then the per-layer work of
+:meth:`forward_decode` (write path, query rotation, split-K decode kernel,
+de-rotation) reading that buffer; the split count is fixed per ``bs`` at
+capture (empty splits cost one early exit).  The padded rows' ``hot_loc`` is
+-1, so they write INT2 rows to the padding slot 0 (as every SGLang backend's
+padded rows do).  Nothing runs eagerly before a replay: the host launches one
+graph per step.  With ``OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager`` (the way back if
+recording the update fails on some GPU) the update runs eagerly before each
+replay instead, for the live rows only, and its ``hot_loc`` is copied into the
+static buffer.  Prefill (extend) always runs eagerly.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from oscar_sglang.kernels import api as kernels
 
 from .pool import OscarInt2Pool
+from .settings import graph_hot_update
 
 
 _EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -89,6 +96,7 @@ class OscarInt2AttnBackend(AttentionBackend):
         self._checked_layers: set[int] = set()
         self._graph_hot_loc: torch.Tensor | None = None   # static hot_loc of captured decode graphs
         self._graph_splits: dict[int, int | None] = {}
+        self._hot_in_graph = True                           # the hot pool's update recorded in the graphs
 
     # -- per pass -------------------------------------------------------------
 
@@ -125,6 +133,7 @@ class OscarInt2AttnBackend(AttentionBackend):
                                "to the plain-torch path (see the startup warning); pass --disable-cuda-graph")
         self._graph_hot_loc = torch.full((max(max_bs, max_num_tokens),), -1, dtype=torch.long, device=device)
         self._graph_splits.clear()
+        self._hot_in_graph = graph_hot_update() == "graph"
 
     def get_cuda_graph_seq_len_fill_value(self):
         return SEQ_LEN_FILL_VALUE
@@ -133,11 +142,12 @@ class OscarInt2AttnBackend(AttentionBackend):
         """Before capturing a decode graph (``in_capture``) or replaying one: see the module docstring.
 
         Capture: the padded batch's metadata points at the static buffer, all
-        -1 (the capture's warm-up forwards write slot 0 only).  Replay: the hot
-        pool's update for the live rows, eagerly (fixed sequence of tensor ops,
-        no host sync), its ``hot_loc`` copied into the static buffer and the
-        padded rows' entries reset to -1.  The live rows are the first
-        ``out_cache_loc.numel()`` rows (one new token each).
+        -1.  Replay: nothing to do (the update is recorded in the graph), or,
+        with the eager hot update, the hot pool's update for the live rows
+        (fixed sequence of tensor ops, no host sync), its ``hot_loc`` copied
+        into the static buffer and the padded rows' entries reset to -1.  The
+        live rows are the first ``out_cache_loc.numel()`` rows (one new token
+        each).
         """
         mode = forward_batch.forward_mode
         if not mode.is_decode():
@@ -145,15 +155,16 @@ class OscarInt2AttnBackend(AttentionBackend):
                                       f"not {mode.name}")
         if self._graph_hot_loc is None:
             raise RuntimeError("init_cuda_graph_state was not called before the CUDA graph metadata")
-        if not in_capture and _stream_capturing(self.device):
-            # e.g. SGLANG_ENABLE_METADATA_GLUE_GRAPH: this prep reads the batch's own out_cache_loc (a new
-            # tensor every step), so it must not be recorded; the glue graph then falls back to eager.
-            raise RuntimeError("the oscar_int2 backend's per-replay metadata runs eagerly; it cannot be captured")
+        eager_update = not in_capture and not self._hot_in_graph
+        if eager_update and _stream_capturing(self.device):
+            # e.g. SGLANG_ENABLE_METADATA_GLUE_GRAPH: the eager update reads the batch's own out_cache_loc (a
+            # new tensor every step), so it must not be recorded; the glue graph then falls back to eager.
+            raise RuntimeError("the oscar_int2 backend's eager hot pool update cannot be captured")
         bs = forward_batch.req_pool_indices.shape[0]
         static = self._graph_hot_loc[:bs]
         if in_capture:
             static.fill_(-1)
-        else:
+        elif eager_update:
             loc = forward_batch.out_cache_loc
             live = loc.numel()
             if live:
@@ -166,7 +177,17 @@ class OscarInt2AttnBackend(AttentionBackend):
                                                 num_splits=self._splits_for_graph(bs))
 
     def init_forward_metadata_in_graph(self, forward_batch):
-        """Nothing is recorded at the start of the graph: the per-layer work reads the static buffers."""
+        """Recorded at the start of a decode graph, before the layers: the hot pool's update (module docstring).
+
+        Reads the runner's static buffers of the padded batch (``forward_batch``
+        is the capture's); a row is live where ``out_cache_loc`` is not 0,
+        SGLang's padding slot, which no request's token ever occupies.
+        """
+        if not self._hot_in_graph:
+            return
+        loc, rows, seq = forward_batch.out_cache_loc, forward_batch.req_pool_indices, forward_batch.seq_lens
+        hot_loc = self.pool.begin_pass(loc, rows, seq - 1, seq, self.req_to_token, decode=True, live=loc != 0)
+        self.forward_metadata.hot_loc.copy_(hot_loc)
 
     def _uses_triton(self) -> bool:
         backend = self.pool.kernel_backend

@@ -67,7 +67,8 @@ one spare element at the end of ``hot_index``, ``owner`` and ``stamp`` (the
 read back as state), the pass counter lives on the device, and "the last
 ``n`` tokens of a region take the ``n`` least recently stamped entries" is a
 cumulative sum (rank of each token) and a ``topk`` over the region's
-``(stamp, entry)`` keys.  ``tests/hot_reference.py`` keeps a per-request
+``(stamp, entry)`` keys.  So a decode CUDA graph records the update with the
+layers (``backend.py``), its padded rows masked out (``begin_pass(live=)``).  ``tests/hot_reference.py`` keeps a per-request
 implementation of the same policy; the tests fuzz this one against it.  Plain
 torch, no SGLang.
 """
@@ -407,7 +408,8 @@ class HotSet:
         ``new_slots`` must be distinct (SGLang never writes a slot twice in a
         pass), except where ``new_mask`` (``[n]`` bool) is False: those new
         tokens take no entry (their ``hot_loc`` is -1) and their slots are not
-        released (a CUDA graph's padded rows).  ``leave_slots`` (any shape) go out of window where
+        released (a CUDA graph's padded rows; with no new token left the pass
+        does not count).  ``leave_slots`` (any shape) go out of window where
         ``leave_mask``, then ``kept_slots`` are stamped where ``kept_mask``,
         then, given SGLang's ``req_to_token`` as ``repin`` (and
         :meth:`track_requests`), the windows of all live requests are
@@ -415,11 +417,13 @@ class HotSet:
         ``batch_size`` (host), when the positions come from
         :func:`window_plan`, bounds a region's takers by ``batch * window``.
         """
-        self._clock.add_(1)
         new_slots = new_slots.to(self.device).long()
         n = new_slots.numel()
-        if new_mask is not None:
+        if new_mask is None:
+            self._clock.add_(1)
+        else:                                                   # a pass of padded rows only is no pass
             new_mask = new_mask.to(self.device)
+            self._clock.add_(new_mask.any())
         self.release(new_slots, new_mask)
         if leave_slots is not None:
             self.retire(leave_slots, leave_mask)

@@ -111,18 +111,19 @@ class OscarInt2Pool(KVCache):
         return self.stores[i], self.rotations[i]
 
     def begin_pass(self, out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
-                   seq_lens: torch.Tensor, req_to_token: torch.Tensor, *, decode: bool = False) -> torch.Tensor:
+                   seq_lens: torch.Tensor, req_to_token: torch.Tensor, *, decode: bool = False,
+                   live: torch.Tensor | None = None) -> torch.Tensor:
         """Update the hot side pool for one forward pass (all layers); returns ``hot_loc`` per new token.
 
         Request ``b`` (row ``req_pool_indices[b]`` of ``req_to_token``) grows
         from ``prefix_lens[b]`` to ``seq_lens[b]`` tokens (``[batch]`` device
         tensors, e.g. SGLang's ``extend_prefix_lens`` and ``seq_lens``); its new
         tokens are at ``out_cache_loc``, in request order (``decode``: one per
-        request).  Tensor ops only: no loop over requests, no device sync
-        (``HotSet.begin_pass``).
+        request; ``live``: which rows are not a CUDA graph's padding).  Tensor
+        ops only: no loop over requests, no device sync (``HotSet.begin_pass``).
         """
         return self.hot.begin_pass(out_cache_loc, req_pool_indices, prefix_lens, seq_lens, req_to_token,
-                                   decode=decode)
+                                   decode=decode, live=live)
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               hot_loc: torch.Tensor | None) -> None:

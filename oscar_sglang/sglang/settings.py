@@ -28,6 +28,11 @@ ENV_HOT_REQUESTS = "OSCAR_SGLANG_HOT_REQUESTS"
 # of free memory (which is noisy on a shared CPU machine).  Applies to every
 # --kv-cache-dtype, so BF16 and INT2 capacities can be compared exactly.
 ENV_KV_BUDGET = "OSCAR_SGLANG_KV_BUDGET_BYTES"
+# Where a decode CUDA graph's hot pool update runs: "graph" (recorded in the
+# graph, the default) or "eager" (before each replay, ~85 tensor ops launched
+# from the host): the way back if recording it ever fails on a GPU.
+ENV_GRAPH_HOT_UPDATE = "OSCAR_SGLANG_GRAPH_HOT_UPDATE"
+GRAPH_HOT_UPDATES = ("graph", "eager")
 
 # Concurrent requests whose sink and recent windows the BF16 hot side pool
 # holds (capped by --max-running-requests when that is smaller).
@@ -148,6 +153,14 @@ def serving_config(hf_config, environ=os.environ) -> ServingConfig:
     recent = art.recent if settings.recent is None else settings.recent
     hot = DEFAULT_HOT_REQUESTS if settings.hot_requests is None else settings.hot_requests
     return ServingConfig(art, sink, recent, hot)
+
+
+def graph_hot_update(environ=os.environ) -> str:
+    """Where decode CUDA graphs update the hot pool (:data:`ENV_GRAPH_HOT_UPDATE`): "graph" or "eager"."""
+    value = environ.get(ENV_GRAPH_HOT_UPDATE) or GRAPH_HOT_UPDATES[0]
+    if value not in GRAPH_HOT_UPDATES:
+        raise OscarConfigError(f"{ENV_GRAPH_HOT_UPDATE}={value!r}: expected one of {', '.join(GRAPH_HOT_UPDATES)}")
+    return value
 
 
 def kv_budget_bytes(environ=os.environ) -> int | None:
