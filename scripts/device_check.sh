@@ -13,6 +13,7 @@
 #                  (scripts/device/install_bundle.sh), SGLang's torch-fallback environment
 #                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout
 #   kernel_tests   every Triton kernel (write, decode, extend) natively against its torch reference
+#                  and the hot pool's update (its reference; recorded in a CUDA graph, replayed)
 #   servers        the real SGLang servers, BF16 (triton backend, CUDA graphs) vs oscar-int2, dummy weights
 #                  of Llama-3-8B geometry, same KV budget: capacity, then sglang.bench_serving at 32k and
 #                  8k input, concurrency 1 and the largest each capacity allows: output and decode tok/s, TTFT,
@@ -124,7 +125,7 @@ INTERP=()
 [ "$GPU" = 1 ] || [ -z "${INTERPRETER_PYTHONPATH:-}" ] || INTERP=(env "PYTHONPATH=$INTERPRETER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}")
 step kernel_tests $([ "$GPU" = 1 ] && echo 100 || echo 400) "${INTERP[@]}" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
     --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
-    "$ROOT"/tests/test_kernels_extend.py
+    "$ROOT"/tests/test_kernels_extend.py "$ROOT"/tests/test_hot_plan.py
 
 # The model folder: dummy weights of the run's geometry and its Hadamard rotations (servers, calibration).
 if [ "$GPU" = 1 ]; then

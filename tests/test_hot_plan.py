@@ -244,6 +244,9 @@ def test_padded_rows_of_a_graph_batch_change_nothing(seed):
         pad_seq = torch.tensor([rng.choice([1, rng.randrange(1, 65)]) for _ in range(pad)])
         held = sorted(traffic.refs)                                 # slots holding tokens (some with a BF16 copy)
         pad_loc = torch.tensor([rng.choice([0, int(rng.choice(loc)), rng.choice(held)]) for _ in range(pad)])
+        if rng.random() < 0.2:                                   # a replay of padded rows only (a warm-up)
+            padded.begin_pass(pad_loc, pad_rows, pad_seq - 1, pad_seq, traffic.req_to_token, decode=True,
+                              live=torch.zeros(pad, dtype=torch.bool))
         want = plain.begin_pass(loc, rows, seq - 1, seq, traffic.req_to_token, decode=True)
         all_seq = torch.cat([seq, pad_seq])
         got = padded.begin_pass(torch.cat([loc, pad_loc]), torch.cat([rows, pad_rows]), all_seq - 1, all_seq,
@@ -303,6 +306,65 @@ def test_begin_pass_matches_the_reference_on_cuda():
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(got.cpu(), want)
         assert torch.equal(new.hot_index.cpu(), ref.hot_index) and torch.equal(new.stamp.cpu(), ref.stamp)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_begin_pass_records_in_a_cuda_graph_with_padded_rows():
+    """The decode update as the INT2 backend records it in a decode CUDA graph (backend.py): captured once at a
+    padded batch from static buffers (padded rows: slot 0, row 0, length 1, as SGLang pads), replayed with 1 to
+    ``bs`` live rows; hot_loc and the whole state equal an eager twin's fed the live rows alone."""
+    rng, dev, bs = random.Random(11), torch.device("cuda"), 8
+    graph_hs, eager_hs = (HotSet(300, 8, 24, 2, 8, device=dev) for _ in range(2))
+    for hs in (graph_hs, eager_hs):
+        hs.track_requests(12)
+
+    def on_end(rows, req_to_token):
+        graph_hs.end_requests(rows, req_to_token), eager_hs.end_requests(rows, req_to_token)
+
+    traffic = _Traffic(rng, 300, on_end=on_end)
+    r2t = traffic.req_to_token.to(dev)                               # SGLang's req_to_token: one device tensor
+    loc_buf = torch.zeros(bs, dtype=torch.int64, device=dev)          # the runner's static buffers
+    rows_buf = torch.zeros(bs, dtype=torch.int64, device=dev)
+    seq_buf = torch.ones(bs, dtype=torch.int64, device=dev)
+    hot_buf = torch.full((bs,), -1, dtype=torch.int64, device=dev)
+
+    def recorded():
+        hot_buf.copy_(graph_hs.begin_pass(loc_buf, rows_buf, seq_buf - 1, seq_buf, r2t, decode=True,
+                                          live=loc_buf != 0))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                                    # warm-ups, as SGLang's runner does
+        recorded(), recorded()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded()
+    assert graph_hs.clock == 0                                       # padded-only passes are no passes
+    replays = 0
+    for step in range(120):
+        reqs = traffic.next_pass()
+        r2t.copy_(traffic.req_to_token)
+        rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
+        prefix = torch.tensor([p for _, p, _ in reqs], dtype=torch.int64)
+        seq = torch.tensor([p + len(s) for _, p, s in reqs], dtype=torch.int64)
+        loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64)
+        args = [t.to(dev) for t in (loc, rows, prefix, seq)]
+        n = len(reqs)
+        if reqs and all(len(s) == 1 for _, _, s in reqs) and n <= bs:
+            for buf, live, pad in ((loc_buf, loc, 0), (rows_buf, rows, 0), (seq_buf, seq, 1)):
+                buf[:n].copy_(live)
+                buf[n:].fill_(pad)
+            graph.replay()
+            want = eager_hs.begin_pass(args[0], args[1], args[3] - 1, args[3], r2t, decode=True)
+            assert hot_buf.tolist() == want.tolist() + [-1] * (bs - n), step
+            replays += 1
+        else:
+            for hs in (graph_hs, eager_hs):
+                hs.begin_pass(*args, r2t)
+        for a, b in zip(_state(graph_hs), _state(eager_hs)):
+            assert torch.equal(a, b), step
+    assert replays >= 10
 
 
 # ---------------------------------------------------------------------------

@@ -25,6 +25,9 @@ serve_bench = load_script("device/serve_bench.py")
 JIT_LOG = ("RuntimeError: JIT module 'store_cache' has no usable cached build under /root/.cache/x, and "
            "SGLANG_CRASH_ON_JIT_COMPILE forbids compiling at runtime. Seed the cache with prebuilt artifacts")
 GRAPH_LOG = "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+# a capture that failed inside the INT2 backend's recorded hot pool update (the traceback passes through it)
+HOT_LOG = ('  File "/site/oscar_sglang/sglang/backend.py", line 189, in init_forward_metadata_in_graph\n'
+           + GRAPH_LOG)
 
 
 def test_the_loader_still_words_its_refusal_as_matched():
@@ -39,6 +42,11 @@ def test_the_loader_still_words_its_refusal_as_matched():
     (JIT_LOG, ["jit"], False, "eager"),  # compiled, then something else broke
     (GRAPH_LOG, [], False, "eager"),
     (GRAPH_LOG, ["eager"], False, None),
+    (HOT_LOG, [], False, "hot-eager"),  # the graphs may still work with the update out of them
+    (HOT_LOG, ["hot-eager"], False, "eager"),
+    (HOT_LOG, ["jit", "hot-eager"], False, "eager"),
+    (JIT_LOG + "\n" + HOT_LOG, [], False, "jit"),
+    (HOT_LOG, [], True, None),
     (JIT_LOG, ["jit", "eager"], False, None),
     (JIT_LOG, [], True, None),  # the dry run: a failure on CPU is a bug, not something to work around
     ("", [], False, "eager"),
@@ -313,3 +321,28 @@ def test_a_run_cut_by_its_timeout_keeps_what_the_server_logged(tmp_path, monkeyp
     cut = json.loads((tmp_path / "serve_bench.json").read_text())["results"][0]["runs"][1]
     assert "timed out" in cut["error"] and cut["server_decode_tok_s"] == 369.0 and cut["max_running_req"] == 3
     assert "| oscar-int2 | 64 | 3 | - | - | 369 (3) | - | - | - | - | Command" in (tmp_path / "serve_bench.md").read_text()
+
+
+def test_the_hot_update_remedy_names_the_backend_method_and_reaches_the_server(tmp_path, monkeypatch):
+    """The traceback text matched is the INT2 backend's recording method, and the remedy's variable is in the
+    environment the INT2 server starts with (with the first remedy too)."""
+    backend = (ROOT / "oscar_sglang/sglang/backend.py").read_text()
+    method = backend[backend.index(f"def {serve_bench.HOT_IN_GRAPH}("):]
+    assert "begin_pass" in method[:method.index("\n    def ")]
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def local_server(model, log, *flags, env, **kw):
+        seen["env"], seen["flags"] = env, flags
+        raise Stop
+
+    monkeypatch.setattr(serve_bench.launcher, "local_server", local_server)
+    monkeypatch.setattr(serve_bench, "server_flags", lambda cache, args, cpu: ["--kv-cache-dtype", cache])
+    args = _args(tmp_path, kv_budget_gib=0, model="m")
+    for remedies, want in ((["hot-eager"], "eager"), (["jit", "hot-eager"], "eager"), (["jit"], None)):
+        with pytest.raises(Stop):
+            serve_bench.serve_and_bench("oscar-int2", args, time.perf_counter() + 60, False, remedies)
+        assert seen["env"].get("OSCAR_SGLANG_GRAPH_HOT_UPDATE") == want
+        assert "--disable-cuda-graph" not in seen["flags"]

@@ -16,8 +16,11 @@ Either server that fails on a GPU (does not start, or no run succeeds) is
 served again with the next remedy its log calls for, while time is left, and
 the report says which (:func:`next_remedy`): a JIT kernel that
 ``SGLANG_CRASH_ON_JIT_COMPILE`` refused is compiled by the machine's nvcc
-(``jit``, kept for the servers after it), otherwise CUDA graphs are turned off
-(``eager``: neither server's graphs have run on a GPU before).
+(``jit``, kept for the servers after it); a failure in the INT2 graphs'
+recorded hot pool update moves that update out of the graph
+(``hot-eager``: ``OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager``); otherwise CUDA
+graphs are turned off (``eager``: neither server's graphs have run on a GPU
+before).
 
 For each, the capacity in tokens from ``/get_server_info``, then
 ``python -m sglang.bench_serving --backend sglang --dataset-name random`` at
@@ -60,13 +63,17 @@ import time
 from pathlib import Path
 
 from oscar_sglang.sglang import launcher
-from oscar_sglang.sglang.settings import ENV_KV_BUDGET
+from oscar_sglang.sglang.settings import ENV_GRAPH_HOT_UPDATE, ENV_KV_BUDGET
 
 CACHES = ("bf16", "oscar-int2")
 # sglang/kernels/jit/utils/compile/loader.py's message when the crash flag refuses a JIT build
 JIT_REFUSED = "SGLANG_CRASH_ON_JIT_COMPILE forbids compiling"
+# the oscar_int2 backend's method that records the hot pool's update in a decode graph: in a traceback, that
+# recording failed
+HOT_IN_GRAPH = "init_forward_metadata_in_graph"
 REMEDIES = {
     "jit": "SGLANG_CRASH_ON_JIT_COMPILE=0: nvcc compiles the JIT kernel the first start refused",
+    "hot-eager": f"{ENV_GRAPH_HOT_UPDATE}=eager: the INT2 hot pool's update runs before each replay, not in the graph",
     "eager": "--disable-cuda-graph: CUDA graphs off",
 }
 RETRY_MIN_S = 90  # a retry needs at least this much of the time limit left (an 8B dummy server starts in ~1 min)
@@ -82,6 +89,8 @@ def next_remedy(log_text: str, tried, cpu: bool) -> str | None:
         return None
     if JIT_REFUSED in log_text and "jit" not in tried:
         return "jit"
+    if HOT_IN_GRAPH in log_text and "hot-eager" not in tried and "eager" not in tried:
+        return "hot-eager"
     if "eager" not in tried:
         return "eager"
     return None
@@ -199,6 +208,8 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool, remedies=(), l
         env[ENV_KV_BUDGET] = str(int(args.kv_budget_gib * 2**30))
     if "jit" in remedies:
         env["SGLANG_CRASH_ON_JIT_COMPILE"] = "0"
+    if "hot-eager" in remedies:
+        env[ENV_GRAPH_HOT_UPDATE] = "eager"
     log = log or args.out / f"server_{cache}{args.tag}.log"
     flags = server_flags(cache, args, cpu) + (["--disable-cuda-graph"] if "eager" in remedies else [])
     res = {"cache": cache, "flags": flags, "runs": []}
