@@ -68,9 +68,9 @@ read back as state), the pass counter lives on the device, and "the last
 ``n`` tokens of a region take the ``n`` least recently stamped entries" is a
 cumulative sum (rank of each token) and a ``topk`` over the region's
 ``(stamp, entry)`` keys.  So a decode CUDA graph records the update with the
-layers (``backend.py``), its padded rows masked out (``begin_pass(live=)``).  ``tests/hot_reference.py`` keeps a per-request
-implementation of the same policy; the tests fuzz this one against it.  Plain
-torch, no SGLang.
+layers (``backend.py``), its padded rows masked out (``begin_pass(live=)``).
+``tests/hot_reference.py`` keeps a per-request implementation of the same
+policy; the tests fuzz this one against it.  Plain torch, no SGLang.
 """
 
 from __future__ import annotations
