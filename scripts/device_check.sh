@@ -13,7 +13,8 @@
 #                  (scripts/device/install_bundle.sh), SGLang's torch-fallback environment
 #                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout
 #   kernel_tests   every Triton kernel (write, decode, extend) natively against its torch reference
-#                  and the hot pool's update (its reference; recorded in a CUDA graph, replayed)
+#                  and the hot pool's update (its reference; recorded in a CUDA graph, replayed), and the
+#                  INT2 backend's whole decode step recorded in real CUDA graphs vs eager (needs the install)
 #   servers        the real SGLang servers, BF16 (triton backend, CUDA graphs) vs oscar-int2, dummy weights
 #                  of Llama-3-8B geometry, same KV budget: capacity, then sglang.bench_serving at 32k and
 #                  8k input, concurrency 1 and the largest each capacity allows: output and decode tok/s, TTFT,
@@ -123,9 +124,10 @@ XDIST=()
 # The steps that run Triton's interpreter where there is no GPU, with INTERPRETER_PYTHONPATH first (see the top).
 INTERP=()
 [ "$GPU" = 1 ] || [ -z "${INTERPRETER_PYTHONPATH:-}" ] || INTERP=(env "PYTHONPATH=$INTERPRETER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}")
-step kernel_tests $([ "$GPU" = 1 ] && echo 100 || echo 400) "${INTERP[@]}" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+step kernel_tests $([ "$GPU" = 1 ] && echo 130 || echo 400) "${INTERP[@]}" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
     --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
-    "$ROOT"/tests/test_kernels_extend.py "$ROOT"/tests/test_hot_plan.py
+    "$ROOT"/tests/test_kernels_extend.py "$ROOT"/tests/test_hot_plan.py \
+    "$ROOT"/tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode
 
 # The model folder: dummy weights of the run's geometry and its Hadamard rotations (servers, calibration).
 if [ "$GPU" = 1 ]; then

@@ -23,7 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+if not torch.cuda.is_available():                 # SGLang's CPU platform; on a GPU its CUDA one
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 pytest.importorskip("sglang")
 
 from kernel_device import DEVICE  # noqa: E402  (enables the interpreter on CPU)

@@ -47,7 +47,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+if not torch.cuda.is_available():                 # SGLang's CPU platform; on a GPU its CUDA one
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 pytest.importorskip("sglang")
 
 from kernel_device import DEVICE  # noqa: E402  (enables the interpreter on CPU)
@@ -90,10 +91,17 @@ def _decode_mode():
 
 
 class _GraphRunner:
-    """The decode graph runner's calls into the backend (see the module docstring), on CPU."""
+    """The decode graph runner's calls into the backend (see the module docstring).
 
-    def __init__(self, backend, capture_bs=CAPTURE_BS):
-        self.backend = backend
+    ``real``: on CUDA, the recorded part (in-graph prep and the layers) is
+    captured in a ``torch.cuda.graph`` per batch size, from static q/k/v
+    buffers, after a warm-up on a side stream, all graphs sharing one memory
+    pool (as SGLang's runner does), and replayed with ``graph.replay()``.
+    Otherwise the replay calls the recorded code again (works anywhere).
+    """
+
+    def __init__(self, backend, capture_bs=CAPTURE_BS, real=False):
+        self.backend, self.real = backend, real
         self.capture_bs = sorted(capture_bs)
         max_bs = self.capture_bs[-1]
         backend.init_cuda_graph_state(max_bs, max_bs)                      # max_num_token = max_bs * 1
@@ -103,6 +111,8 @@ class _GraphRunner:
         self.seq_lens_cpu = torch.full((max_bs,), self.fill, dtype=torch.int64)
         self.out_cache_loc = torch.zeros(max_bs, dtype=torch.int64, device=DEVICE)
         self.graphs = {}
+        self.cuda_graphs = {}                                               # bs -> (graph, static qkv, outputs)
+        pool = torch.cuda.graph_pool_handle() if real else None
         g = torch.Generator().manual_seed(99)
         for bs in reversed(self.capture_bs):                                # largest first, as SGLang does
             fb = SimpleNamespace(forward_mode=_decode_mode(), batch_size=bs,
@@ -111,10 +121,25 @@ class _GraphRunner:
                                  seq_lens_sum=bs * self.fill)
             backend.init_forward_metadata_out_graph(fb, in_capture=True)
             md = backend.forward_metadata
-            backend.init_forward_metadata_in_graph(fb)                      # the capture's warm-up forward
-            for layer_id in range(LAYERS):
-                q, k, v = (torch.randn(bs, h * D, generator=g).to(torch.bfloat16).to(DEVICE) for h in (QH, KVH, KVH))
-                backend.forward_decode(q, k, v, _layer(layer_id), fb)
+            qkv = [tuple(torch.randn(bs, h * D, generator=g).to(torch.bfloat16).to(DEVICE) for h in (QH, KVH, KVH))
+                   for _ in range(LAYERS)]
+
+            def recorded(fb=fb, qkv=qkv):
+                backend.init_forward_metadata_in_graph(fb)
+                return [backend.forward_decode(q, k, v, _layer(i), fb) for i, (q, k, v) in enumerate(qkv)]
+
+            if not real:
+                recorded()                                                  # the capture's warm-up forward
+            else:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):                               # warm-ups (compiles the kernels)
+                    recorded(), recorded()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outs = recorded()
+                self.cuda_graphs[bs] = (graph, qkv, outs)
             self.graphs[bs] = (fb, md)
 
     def replay(self, rows, seq, loc, qkv):
@@ -141,15 +166,20 @@ class _GraphRunner:
         # the replay prep wrote where the recording reads, and decided nothing the recording fixed differently
         assert prep.hot_loc.data_ptr() == md.hot_loc.data_ptr() and prep.hot_loc.shape == md.hot_loc.shape
         assert prep.num_splits == md.num_splits
+        g = torch.Generator().manual_seed(1000 + sum(seq))
+        # the padded rows of the graph's inputs hold whatever the previous step left: noise here
+        qkv = [tuple(torch.cat([x, 30 * torch.randn(bs - raw, x.shape[1], generator=g).to(x.dtype).to(DEVICE)])
+                     for x in layer_qkv) for layer_qkv in qkv]
+        if self.real:
+            graph, static_qkv, outs = self.cuda_graphs[bs]
+            for dst, src in zip(static_qkv, qkv):
+                for d, s in zip(dst, src):
+                    d.copy_(s)
+            graph.replay()
+            return [o[:raw].clone() for o in outs], bs
         self.backend.forward_metadata = md                                  # what graph.replay() runs:
         self.backend.init_forward_metadata_in_graph(fb)                     # the recorded prep, then the layers
-        outs = []
-        g = torch.Generator().manual_seed(1000 + sum(seq))
-        for layer_id, (q, k, v) in enumerate(qkv):
-            # the padded rows of the graph's inputs hold whatever the previous step left: noise here
-            q, k, v = (torch.cat([x, 30 * torch.randn(bs - raw, x.shape[1], generator=g).to(x.dtype).to(DEVICE)])
-                       for x in (q, k, v))
-            outs.append(self.backend.forward_decode(q, k, v, _layer(layer_id), fb)[:raw])
+        outs = [self.backend.forward_decode(q, k, v, _layer(i), fb)[:raw] for i, (q, k, v) in enumerate(qkv)]
         return outs, bs
 
 
@@ -232,9 +262,9 @@ def _assert_same_pool(graph, eager, what):
             assert torch.equal(getattr(sg, name)[1:], getattr(se, name)[1:]), (what, layer_id, name)
 
 
-def _run(kernel_backend):
+def _run(kernel_backend, real=False):
     eager, graph = _backend(kernel_backend), _backend(kernel_backend)
-    runner = _GraphRunner(graph)
+    runner = _GraphRunner(graph, real=real)
     g = torch.Generator().manual_seed(0)
     used = set()
     for step, (mode, reqs) in enumerate(_traffic()):
@@ -252,7 +282,7 @@ def _run(kernel_backend):
             used.add((n, bs))
         for layer_id, (a, b) in enumerate(zip(got, want)):
             assert a.shape == b.shape
-            if kernel_backend == "triton" or mode == "extend":
+            if (kernel_backend == "triton" and not real) or mode == "extend":
                 assert torch.equal(a, b), (step, layer_id)
             else:
                 # the reference's batched query rotation (torch matmul) rounds differently for 4 rows than
@@ -275,6 +305,16 @@ def test_graph_replay_matches_eager_decode_triton_path(hot_update):
     # value): the bs-1 graph has 4 splits where an eager pass over ~20 tokens takes 1, and the outputs above
     # are still bitwise equal (the extra splits are empty)
     assert splits == {1: 4, 2: 2, 4: 1}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_real_cuda_graphs_match_eager_decode(hot_update):
+    """The same traffic with each batch size's decode recorded in a real CUDA graph (the in-graph hot pool update,
+    the Triton write, split-K decode and merge kernels of every layer, their buffers from the graph pool) and
+    replayed: the pool is identical to an eager run's, the outputs equal up to the query rotation's place (the
+    eager pass may rotate in torch where the padded graph batch rotates in the kernel: one bf16 step)."""
+    runner = _run("triton", real=True)
+    assert set(runner.cuda_graphs) == set(CAPTURE_BS)
 
 
 def test_fill_value_and_static_hot_loc(hot_update):
