@@ -169,6 +169,14 @@ class _Traffic:
         return out
 
 
+def _pass_tensors(reqs):
+    """A pass of ``_Traffic.next_pass`` as int64 tensors: new slots, request rows, prefix and sequence lengths."""
+    loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64)
+    rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
+    prefix = torch.tensor([p for _, p, _ in reqs], dtype=torch.int64)
+    return loc, rows, prefix, prefix + torch.tensor([len(s) for _, _, s in reqs], dtype=torch.int64)
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_begin_pass_matches_the_reference_through_random_traffic(seed):
     rng = random.Random(seed)
@@ -185,14 +193,11 @@ def test_begin_pass_matches_the_reference_through_random_traffic(seed):
     traffic = _Traffic(rng, num_slots, width=rng.choice([10, 96]), on_end=on_end)   # 10: rows < sink + recent
     for step in range(40):
         reqs = traffic.next_pass()
-        rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
-        prefix = [p for _, p, _ in reqs]
-        seq = [p + len(s) for _, p, s in reqs]
-        loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64)
+        loc, rows, prefix_t, seq_t = _pass_tensors(reqs)
+        prefix, seq = prefix_t.tolist(), seq_t.tolist()
         want = ref.begin_pass(loc, rows, prefix, seq, traffic.req_to_token)
         decode = bool(reqs) and all(len(s) == 1 for _, _, s in reqs)
         if decode and rng.random() < 0.7:                            # as the backend calls it in decode mode
-            seq_t = torch.tensor(seq)
             got = new.begin_pass(loc, rows, seq_t - 1, seq_t, traffic.req_to_token, decode=True)
         else:                                                        # extend: SGLang's int32 device lengths
             got = new.begin_pass(loc, rows, torch.tensor(prefix, dtype=torch.int32),
@@ -230,10 +235,7 @@ def test_padded_rows_of_a_graph_batch_change_nothing(seed):
     decodes = 0
     for step in range(150):
         reqs = traffic.next_pass()
-        rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
-        prefix = torch.tensor([p for _, p, _ in reqs], dtype=torch.int64)
-        seq = torch.tensor([p + len(s) for _, p, s in reqs], dtype=torch.int64)
-        loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64)
+        loc, rows, prefix, seq = _pass_tensors(reqs)
         if not (reqs and all(len(s) == 1 for _, _, s in reqs)):
             for hs in (padded, plain):
                 hs.begin_pass(loc, rows, prefix, seq, traffic.req_to_token)
@@ -293,11 +295,9 @@ def test_begin_pass_matches_the_reference_on_cuda():
     traffic = _Traffic(rng, 300)
     for _ in range(40):
         reqs = traffic.next_pass()
-        rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
-        prefix, seq = [p for _, p, _ in reqs], [p + len(s) for _, p, s in reqs]
-        loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64)
-        want = ref.begin_pass(loc, rows, prefix, seq, traffic.req_to_token)
-        args = [t.cuda() for t in (loc, rows, torch.tensor(prefix), torch.tensor(seq), traffic.req_to_token)]
+        loc, rows, prefix, seq = _pass_tensors(reqs)
+        want = ref.begin_pass(loc, rows, prefix.tolist(), seq.tolist(), traffic.req_to_token)
+        args = [t.cuda() for t in (loc, rows, prefix, seq, traffic.req_to_token)]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")                      # CUDA itself refuses any sync
         try:
@@ -345,10 +345,7 @@ def test_begin_pass_records_in_a_cuda_graph_with_padded_rows():
     for step in range(120):
         reqs = traffic.next_pass()
         r2t.copy_(traffic.req_to_token)
-        rows = torch.tensor([r for r, _, _ in reqs], dtype=torch.int64)
-        prefix = torch.tensor([p for _, p, _ in reqs], dtype=torch.int64)
-        seq = torch.tensor([p + len(s) for _, p, s in reqs], dtype=torch.int64)
-        loc = torch.tensor([x for _, _, s in reqs for x in s], dtype=torch.int64)
+        loc, rows, prefix, seq = _pass_tensors(reqs)
         args = [t.to(dev) for t in (loc, rows, prefix, seq)]
         n = len(reqs)
         if reqs and all(len(s) == 1 for _, _, s in reqs) and n <= bs:
