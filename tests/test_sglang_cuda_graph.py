@@ -73,7 +73,9 @@ def hot_update(request, monkeypatch):
 
 def _backend(kernel_backend):
     # hot_requests=2 with 4 requests: the side pool evicts, so the LRU order is part of what must match
-    return backend_over_pool(kernel_backend, slots=160, rows=ROWS, context=CONTEXT, seed=3)
+    backend = backend_over_pool(kernel_backend, slots=160, rows=ROWS, context=CONTEXT, seed=3)
+    backend.pool.attach_requests(SimpleNamespace(req_to_token=backend.req_to_token))   # as the server does
+    return backend
 
 
 def _layer(i):
@@ -142,8 +144,13 @@ class _GraphRunner:
                 self.cuda_graphs[bs] = (graph, qkv, outs)
             self.graphs[bs] = (fb, md)
 
-    def replay(self, rows, seq, loc, qkv):
-        """One decode step of the live requests ``rows`` (lengths ``seq`` after the step, new slots ``loc``)."""
+    def replay(self, rows, seq, loc, qkv, during_layers=None):
+        """One decode step of the live requests ``rows`` (lengths ``seq`` after the step, new slots ``loc``).
+
+        ``during_layers``: what the overlap scheduler may do once the in-graph
+        prep is done (SGLang's marker), while the layers run: called between
+        the two, returns what to call after the layers (not with ``real``).
+        """
         raw = len(rows)
         bs = min(b for b in self.capture_bs if b >= raw)
         # fill_from: padded tails first (ZERO / FILL_SENTINEL), then the live heads
@@ -171,6 +178,7 @@ class _GraphRunner:
         qkv = [tuple(torch.cat([x, 30 * torch.randn(bs - raw, x.shape[1], generator=g).to(x.dtype).to(DEVICE)])
                      for x in layer_qkv) for layer_qkv in qkv]
         if self.real:
+            assert during_layers is None
             graph, static_qkv, outs = self.cuda_graphs[bs]
             for dst, src in zip(static_qkv, qkv):
                 for d, s in zip(dst, src):
@@ -179,7 +187,10 @@ class _GraphRunner:
             return [o[:raw].clone() for o in outs], bs
         self.backend.forward_metadata = md                                  # what graph.replay() runs:
         self.backend.init_forward_metadata_in_graph(fb)                     # the recorded prep, then the layers
+        after = during_layers() if during_layers else None
         outs = [self.backend.forward_decode(q, k, v, _layer(i), fb)[:raw] for i, (q, k, v) in enumerate(qkv)]
+        if after:
+            after()
         return outs, bs
 
 
@@ -262,7 +273,7 @@ def _assert_same_pool(graph, eager, what):
             assert torch.equal(getattr(sg, name)[1:], getattr(se, name)[1:]), (what, layer_id, name)
 
 
-def _run(kernel_backend, real=False):
+def _run(kernel_backend, real=False, scheduler=None):
     eager, graph = _backend(kernel_backend), _backend(kernel_backend)
     runner = _GraphRunner(graph, real=real)
     g = torch.Generator().manual_seed(0)
@@ -274,11 +285,16 @@ def _run(kernel_backend, real=False):
         n = sum(len(s) for _, _, s in reqs)
         qkv = _qkv(g, n)
         want = _eager_pass(eager, mode, reqs, qkv)
+        if scheduler:
+            scheduler.after_pass(eager, step)
         if mode == "extend":
             got = _eager_pass(graph, mode, reqs, qkv)                       # prefill always runs eagerly
+            if scheduler:
+                scheduler.after_pass(graph, step)
         else:
+            during = (lambda: scheduler.during_layers(graph, step)) if scheduler else None
             got, bs = runner.replay([r for r, _, _ in reqs], [p + 1 for _, p, _ in reqs],
-                                    [s[0] for _, _, s in reqs], qkv)
+                                    [s[0] for _, _, s in reqs], qkv, during_layers=during)
             used.add((n, bs))
         for layer_id, (a, b) in enumerate(zip(got, want)):
             assert a.shape == b.shape
@@ -305,6 +321,59 @@ def test_graph_replay_matches_eager_decode_triton_path(hot_update):
     # value): the bs-1 graph has 4 splits where an eager pass over ~20 tokens takes 1, and the outputs above
     # are still bitwise equal (the extra splits are empty)
     assert splits == {1: 4, 2: 2, 4: 1}
+
+
+class _OverlapScheduler:
+    """What SGLang's overlap scheduler does on its own stream once a decode graph's in-graph prep is done.
+
+    Request 2 ends during step 7 (in SGLang it would still be in that batch,
+    one discarded step): its row is freed, so ``end_requests`` runs, then the
+    scheduler writes ``req_to_token`` (new requests' rows, often the rows just
+    freed; new positions of running ones) while the layers still run: here
+    every entry is overwritten with other valid slots, and put back after the
+    layers so the test's later steps see the real table.  The eager twin ends
+    request 2 after its pass.  An extend pass is fenced whole by SGLang: the
+    scheduler acts after it.
+    """
+
+    ENDS = {7: [2]}
+
+    def __init__(self, slots):
+        self.slots, self.g, self.ended = slots, torch.Generator().manual_seed(11), []
+
+    def after_pass(self, backend, step):
+        self._end(backend, step)
+
+    def during_layers(self, backend, step):
+        self._end(backend, step)
+        table = backend.req_to_token
+        saved = table.clone()
+        table.copy_(torch.randint(0, self.slots, table.shape, generator=self.g, dtype=table.dtype))
+        return lambda: table.copy_(saved)
+
+    def _end(self, backend, step):
+        for rows in [self.ENDS.get(step, [])]:
+            if rows:
+                stamps = backend.pool.hot.stamp.clone()
+                backend.pool.end_requests(rows, backend.req_to_token)
+                self.ended.append(not torch.equal(stamps, backend.pool.hot.stamp))
+
+
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_layers_read_no_scheduler_table_after_the_in_graph_prep(kernel_backend, hot_update):
+    """SGLang's overlap scheduler writes ``req_to_token`` and ends requests once the in-graph prep is done
+    (``shared_read_ends``: IN_REPLAY for decode), while the graph's layers still run: the outputs and the pool
+    are those of the eager run all the same."""
+    from sglang.srt.layers.attention.base_attn_backend import SharedReadEnds
+
+    scheduler = _OverlapScheduler(slots=160)
+    _run(kernel_backend, scheduler=scheduler)
+    assert scheduler.ended == [True, True]            # eager and graph: the ending changed stamps in both
+    backend = _backend(kernel_backend)
+    assert backend.shared_read_ends(_decode_mode()) is SharedReadEnds.IN_REPLAY
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    assert backend.shared_read_ends(ForwardMode.EXTEND) is SharedReadEnds.UNKNOWN
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
@@ -413,6 +482,18 @@ def test_sglang_graph_runner_facts_this_relies_on():
     assert run_once.index("self._run_in_graph_metadata_prep(attn_backend, forward_batch)") < run_once.index(
         "out = forward(") < run_once.index("\n    def ")
     assert "attn_backend.init_forward_metadata_in_graph(forward_batch)" in src
+    # the overlap scheduler's write-after-read barrier: with IN_REPLAY (our decode), the scheduler's stream
+    # waits only for a marker recorded right after our in-graph prep, not for the layers
+    prep = inspect.getsource(runner.DecodeCudaGraphRunner._run_in_graph_metadata_prep)
+    assert prep.index("attn_backend.init_forward_metadata_in_graph(forward_batch)") < prep.index(
+        "self._record_in_graph_metadata_prep_done()")
+    replay = src[src.index("output = self.backend.replay(self._replay_graph_key, forward_batch)"):]
+    assert replay.index("if shared_read_ends is SharedReadEnds.IN_REPLAY:") < replay.index(
+        "self._publish_read_done(in_graph=True)")
+    from sglang.srt.managers.scheduler import Scheduler
+
+    barrier = inspect.getsource(Scheduler._apply_war_barrier)
+    assert "self.schedule_stream.wait_event(ev)" in barrier and "shared_read_done_event" in barrier
     prepare = inspect.getsource(runner.DecodeCudaGraphRunner.capture_prepare)
     for name in ("req_pool_indices", "seq_lens", "out_cache_loc"):
         assert f'{name} = _slot("{name}")' in prepare

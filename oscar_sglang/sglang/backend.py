@@ -41,6 +41,22 @@ graph per step.  With ``OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager`` (the way back if
 recording the update fails on some GPU) the update runs eagerly before each
 replay instead, for the live rows only, and its ``hot_loc`` is copied into the
 static buffer.  Prefill (extend) always runs eagerly.
+
+**Overlap scheduling.**  With SGLang's overlap scheduler on a GPU, the
+scheduler prepares the next batch on its own CUDA stream while this one runs:
+it frees the rows of requests that ended (our ``end_requests`` hook), writes
+``req_to_token`` rows for new requests (often into rows just freed, whose old
+requests are still in the running batch for one discarded step) and new
+positions of running ones.  Its write-after-read barrier waits only for where
+the backend says its reads of such scheduler-written tables end
+(:meth:`~OscarInt2AttnBackend.shared_read_ends`): for decode graphs, the end of
+``init_forward_metadata_in_graph`` (SGLang records its marker right after it),
+not the end of the forward.  So every such read of a decode graph is in that
+prep: the hot pool's update (which reads ``req_to_token``) and a copy of the
+batch's ``req_to_token`` rows into a static page table, which the layers read
+instead of the live table.  What ``end_requests`` writes meanwhile (stamps of
+out-of-window entries) no layer reads.  Eager passes (prefill, decode without
+a graph) are fenced by SGLang as a whole.
 """
 
 from __future__ import annotations
@@ -48,7 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend, SharedReadEnds
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -71,6 +87,8 @@ class ForwardMetadata:
     max_len: int                      # longest sequence (decode) or extension (extend), from host lists
     max_prefix: int = 0               # longest cached prefix (extend), from host lists: lets extend split it
     num_splits: int | None = None     # decode split count fixed for a CUDA graph (None: chosen per pass)
+    pages: torch.Tensor | None = None      # CUDA graph decode: the batch's req_to_token rows, copied in the
+    page_rows: torch.Tensor | None = None  # in-graph prep, and their rows 0..bs-1 (None: req_to_token itself)
 
 
 # Padded rows of a graph batch attend to one token: req_to_token's reserved row 0 points at slot 0,
@@ -95,6 +113,8 @@ class OscarInt2AttnBackend(AttentionBackend):
         self.forward_metadata = None
         self._checked_layers: set[int] = set()
         self._graph_hot_loc: torch.Tensor | None = None   # static hot_loc of captured decode graphs
+        self._graph_pages: torch.Tensor | None = None     # static copy of the graph batch's req_to_token rows
+        self._graph_rows: torch.Tensor | None = None      # 0..max_bs-1: the rows of that copy
         self._graph_splits: dict[int, int | None] = {}
         self._hot_in_graph = True                           # the hot pool's update recorded in the graphs
 
@@ -126,12 +146,20 @@ class OscarInt2AttnBackend(AttentionBackend):
     # -- CUDA graphs (decode) ---------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args, **kwargs):
-        """Once, before capture: the static ``hot_loc`` buffer every captured decode graph reads."""
+        """Once, before capture: the static buffers every captured decode graph reads.
+
+        ``hot_loc`` and the page-table copy: ``max_bs`` rows of ``req_to_token``
+        (``max_bs * max context * 4`` bytes, the size of SGLang's triton
+        backend's ``cuda_graph_kv_indices``).
+        """
         device = torch.device(self.device)
         if device.type == "cuda" and not self._uses_triton():
             raise RuntimeError("oscar-int2: CUDA graphs need the Triton kernels, and this model's shape falls back "
                                "to the plain-torch path (see the startup warning); pass --disable-cuda-graph")
         self._graph_hot_loc = torch.full((max(max_bs, max_num_tokens),), -1, dtype=torch.long, device=device)
+        self._graph_pages = torch.zeros((max_bs, self.req_to_token.shape[1]), dtype=self.req_to_token.dtype,
+                                        device=device)
+        self._graph_rows = torch.arange(max_bs, dtype=torch.long, device=device)
         self._graph_splits.clear()
         self._hot_in_graph = graph_hot_update() == "graph"
 
@@ -174,20 +202,35 @@ class OscarInt2AttnBackend(AttentionBackend):
             if live < bs:
                 static[live:].fill_(-1)
         self.forward_metadata = ForwardMetadata(static, None, None, self.req_to_token.shape[1],
-                                                num_splits=self._splits_for_graph(bs))
+                                                num_splits=self._splits_for_graph(bs),
+                                                pages=self._graph_pages[:bs], page_rows=self._graph_rows[:bs])
 
     def init_forward_metadata_in_graph(self, forward_batch):
-        """Recorded at the start of a decode graph, before the layers: the hot pool's update (module docstring).
+        """Recorded at the start of a decode graph, before the layers: every read of a table the scheduler
+        writes (module docstring, "Overlap scheduling").
 
-        Reads the runner's static buffers of the padded batch (``forward_batch``
-        is the capture's); a row is live where ``out_cache_loc`` is not 0,
-        SGLang's padding slot, which no request's token ever occupies.
+        The batch's ``req_to_token`` rows are copied into the static page
+        table the layers read, then the hot pool is updated.  Reads the
+        runner's static buffers of the padded batch (``forward_batch`` is the
+        capture's); a row is live where ``out_cache_loc`` is not 0, SGLang's
+        padding slot, which no request's token ever occupies.
         """
+        rows = forward_batch.req_pool_indices
+        torch.index_select(self.req_to_token, 0, rows, out=self.forward_metadata.pages)
         if not self._hot_in_graph:
             return
-        loc, rows, seq = forward_batch.out_cache_loc, forward_batch.req_pool_indices, forward_batch.seq_lens
+        loc, seq = forward_batch.out_cache_loc, forward_batch.seq_lens
         hot_loc = self.pool.begin_pass(loc, rows, seq - 1, seq, self.req_to_token, decode=True, live=loc != 0)
         self.forward_metadata.hot_loc.copy_(hot_loc)
+
+    def shared_read_ends(self, fm) -> SharedReadEnds:
+        """Where the reads of scheduler-written tables end (module docstring, "Overlap scheduling").
+
+        Decode: in the graph's prep (:meth:`init_forward_metadata_in_graph`);
+        an eager decode is fenced whole by SGLang anyway.  Extend: unknown, so
+        SGLang fences the whole pass (the layers read ``req_to_token``).
+        """
+        return SharedReadEnds.IN_REPLAY if fm.is_decode() else SharedReadEnds.UNKNOWN
 
     def _uses_triton(self) -> bool:
         backend = self.pool.kernel_backend
@@ -226,9 +269,10 @@ class OscarInt2AttnBackend(AttentionBackend):
         store, rot = self.pool.layer(layer.layer_id)
         md = self.forward_metadata
         tuning = {"max_seq_len": md.max_len} if md.num_splits is None else {"num_splits": md.num_splits}
-        o = kernels.decode_attention(q3, store, rot, self.req_to_token, forward_batch.req_pool_indices,
-                                     forward_batch.seq_lens, layer.scaling, backend=self.pool.kernel_backend,
-                                     **tuning)
+        pages, rows = ((self.req_to_token, forward_batch.req_pool_indices) if md.pages is None
+                       else (md.pages, md.page_rows))
+        o = kernels.decode_attention(q3, store, rot, pages, rows, forward_batch.seq_lens, layer.scaling,
+                                     backend=self.pool.kernel_backend, **tuning)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def support_triton(self):
