@@ -399,6 +399,55 @@ class NoHostSync(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_ATOMIC_OPS = {torch.ops.aten.scatter_reduce_, torch.ops.aten.scatter_reduce, torch.ops.aten.scatter_add_,
+               torch.ops.aten.scatter_add, torch.ops.aten.index_add_, torch.ops.aten.index_add}
+
+
+class AtomicHotSpots(TorchDispatchMode):
+    """Records, per atomic scatter (``scatter_reduce``, ``scatter_add``, ``index_add``, accumulating
+    ``index_put``), how many updates its busiest address gets: on a GPU those updates serialise."""
+
+    def __init__(self):
+        super().__init__()
+        self.worst = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        index = None
+        if packet in _ATOMIC_OPS:
+            index = args[2] if len(args) > 2 else kwargs["index"]
+        elif packet in (torch.ops.aten.index_put_, torch.ops.aten.index_put) and (
+                args[3] if len(args) > 3 else kwargs.get("accumulate", False)):
+            index = args[1][0]
+        if index is not None and index.numel():
+            hits = int(torch.unique(index.reshape(-1), return_counts=True)[1].max())
+            self.worst[str(packet)] = max(self.worst.get(str(packet), 0), hits)
+        return func(*args, **kwargs)
+
+
+def test_no_address_takes_most_atomic_updates_of_a_pass():
+    """SGLang's req_to_token has 2048-4096 rows whatever the load; the re-pin scans every row's window each
+    pass, so its updates for rows without a request (and window positions without an entry) must not all go
+    to one address (they did: the trash element took ~rows x window atomic updates per pass)."""
+    rng = random.Random(5)
+    rows, sink, recent = 512, 4, 16
+    hs = HotSet(300, 8, 40, sink, recent)
+    hs.track_requests(rows)
+    traffic = _Traffic(rng, 300, rows=rows, width=96, on_end=hs.end_requests)
+    spots, most_live = AtomicHotSpots(), 0
+    for step in range(30):
+        reqs = traffic.next_pass()
+        loc, rows_t, prefix, seq = _pass_tensors(reqs)
+        most_live = max(most_live, len(traffic.live))
+        with spots:
+            hs.begin_pass(loc, rows_t, prefix, seq, traffic.req_to_token)
+    spread = -(-rows * (sink + recent) // (hs.entries + 1))      # a no-op update per `entries` positions
+    bound = spread + most_live                                   # + the live windows sharing a token
+    assert spots.worst and max(spots.worst.values()) <= bound, (spots.worst, bound)
+    assert rows * (sink + recent) > 20 * bound                   # what the trash took before
+
+
 def test_the_guard_catches_what_the_reference_does():
     ref = RefHotSet(16, 2, 4, 1, 2)
     with pytest.raises(AssertionError, match="data-dependent op"), NoHostSync():

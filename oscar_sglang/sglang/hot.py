@@ -246,6 +246,9 @@ class HotSet:
         self._req_len_buf = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
         self._req_pass_buf = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
         self._req_len, self._req_pass = self._req_len_buf[:rows], self._req_pass_buf[:rows]
+        # where _repin's no-op updates go: spread over the stamps, one element each per `entries` window
+        # positions, never all to one address (see _repin)
+        self._spread = torch.arange(rows * (self.sink + self.recent), device=self.device) % (self.entries + 1)
 
     def end_requests(self, rows, req_to_token: torch.Tensor) -> None:
         """Requests in ``rows`` (``req_to_token`` rows being freed) ended: their window entries go out of window.
@@ -296,10 +299,14 @@ class HotSet:
         if self.sink + self.recent == 0:
             return
         slots, live = self._window_slots(self._req_len, None, req_to_token)   # live: in a live window
-        entry = torch.where(live, self._hot_index.index_select(0, slots), self._cold)
+        entry = self._hot_index.index_select(0, slots)
+        hit = live & (entry >= 0)
         last = self._req_pass.unsqueeze(1).expand(-1, self.sink + self.recent).reshape(-1)
-        index = entry.long().remainder(self._stamp.numel())      # -1 (no entry): the trash, last
-        self._stamp.scatter_reduce_(0, index, last, "amax")
+        # Elsewhere (rows without a request: most of SGLang's 2048-4096 rows; window positions without an
+        # entry) the update is -1, a no-op under amax since every stamp is >= -1, at a spread address: sent
+        # to the trash, ~a million atomic updates of one element per pass would serialise on a GPU.
+        index = torch.where(hit, entry.long(), self._spread)
+        self._stamp.scatter_reduce_(0, index, torch.where(hit, last, self._none), "amax")
 
     def reset(self) -> None:
         """Every entry free, no request tracked (SGLang's cache flush: no slot holds a token any more)."""
