@@ -74,3 +74,14 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     return op.extend_attention(q, k, v, store, rot, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                                sm_scale, extend_start_loc,
                                **(tuning if op.__name__.endswith("triton_kernel") else {}))
+
+
+def repin_windows(stamp: torch.Tensor, hot_index: torch.Tensor, req_len: torch.Tensor, req_pass: torch.Tensor,
+                  req_to_token: torch.Tensor, sink: int, recent: int, spread: torch.Tensor | None = None, *,
+                  backend: str = "auto") -> None:
+    """Every hot entry in the window of a live request row gets at least that row's last pass as stamp.
+
+    See ``repin/reference.py``; ``spread`` (reference only): where its no-op updates go.
+    """
+    _op("repin", backend, stamp.device).repin_windows(stamp, hot_index, req_len, req_pass, req_to_token, sink,
+                                                     recent, spread)

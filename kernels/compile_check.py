@@ -80,6 +80,7 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
     from .decode import bf16_baseline
     from .decode import triton_kernel as dec
     from .extend import triton_kernel as ext
+    from .repin import triton_kernel as rep
     from .write import triton_kernel as wr
 
     out = []
@@ -122,6 +123,10 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                                                                 paged.req_pool_indices, paged.seq_lens, 0.1,
                                                                 num_splits=2),
                     BF16_DOT=True)  # what runs on CUDA tensors
+    req_len, req_pass = torch.tensor([0, 300, 9000]), torch.tensor([0, 7, 9])
+    add("repin sink=64 recent=256", rep, "_repin_kernel",
+        lambda: rep.repin_windows(torch.zeros(41, dtype=torch.long), torch.full((100,), -1, dtype=torch.int32),
+                                  req_len, req_pass, torch.zeros(3, 9100, dtype=torch.int32), 64, 256))
     mid_o, mid_lse = torch.zeros(2, 8, 5, 128), torch.zeros(2, 8, 5)
     add("reduce d=128 splits=5", dec, "_decode_reduce_kernel", lambda: dec.merge_splits(mid_o, mid_lse))
     v_rot = scenario.random_rotation(2, 128).v_rot

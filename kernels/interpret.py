@@ -21,6 +21,7 @@ MODULES = (
     "oscar_sglang.kernels.decode.triton_kernel",
     "oscar_sglang.kernels.decode.bf16_baseline",
     "oscar_sglang.kernels.extend.triton_kernel",
+    "oscar_sglang.kernels.repin.triton_kernel",
 )
 
 

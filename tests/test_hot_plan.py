@@ -6,7 +6,7 @@ vectorised one must leave exactly the same state (``hot_index``, ``owner``,
 ``stamp``, pass counter) and return the same ``hot_loc`` after every pass, for:
 
 * random serving traffic driven through ``begin_pass`` (the pool's entry
-  point): prefills, chunked extends, decodes, rows with no new token, radix
+  point; every other seed re-pins with the Triton kernel, as on a GPU): prefills, chunked extends, decodes, rows with no new token, radix
   hits on live and finished requests' prefixes, empty batches, requests
   finishing, their slots reused, cold writes (``release``) in between, with
   random sink/recent windows and region sizes (zero, smaller than the demand);
@@ -34,6 +34,7 @@ import random
 import pytest
 import torch
 from hot_reference import RefHotSet, ref_window_plan
+from kernel_device import DEVICE  # noqa: F401  (enables the interpreter on CPU: the re-pin's Triton kernel)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oscar_sglang.sglang.hot import HotSet, window_plan
@@ -186,6 +187,7 @@ def test_begin_pass_matches_the_reference_through_random_traffic(seed):
     new = HotSet(num_slots, sink_entries, recent_entries, sink, recent)
     ref = RefHotSet(num_slots, sink_entries, recent_entries, sink, recent)
     new.track_requests(12)
+    new.kernel_backend = "triton" if seed % 2 else "auto"         # the re-pin: its Triton kernel, or torch
 
     def on_end(rows, req_to_token):
         new.end_requests(rows, req_to_token), ref.end_requests(rows, req_to_token)
@@ -434,6 +436,7 @@ def test_no_address_takes_most_atomic_updates_of_a_pass():
     rows, sink, recent = 512, 4, 16
     hs = HotSet(300, 8, 40, sink, recent)
     hs.track_requests(rows)
+    hs.kernel_backend = "torch"      # the torch re-pin's scatter (the Triton kernel issues no no-op updates)
     traffic = _Traffic(rng, 300, rows=rows, width=96, on_end=hs.end_requests)
     spots, most_live = AtomicHotSpots(), 0
     for step in range(30):

@@ -58,8 +58,10 @@ The returned ``hot_loc`` (entry per new token or -1) is what the write path
 copies the rotated BF16 rows to, in every layer.
 
 **No host work per request, no device sync.**  :func:`window_plan` and
-:meth:`HotSet.update` are fixed sequences of tensor ops (about 85 per decode
-pass, whatever the batch) whose shapes depend only on host numbers SGLang
+:meth:`HotSet.update` are fixed sequences of tensor ops (on CUDA 72 per
+eager decode pass and 81 for a CUDA graph's padded batch, whatever the batch,
+plus one Triton launch for the re-pin, ``kernels/repin``; on CPU the re-pin
+is 19 more torch ops) whose shapes depend only on host numbers SGLang
 already has (batch size, number of new tokens), on the request rows and on the settings: no
 ``nonzero``, no boolean-mask indexing, no ``.item()``.  Masked writes go to
 one spare element at the end of ``hot_index``, ``owner`` and ``stamp`` (the
@@ -70,7 +72,8 @@ cumulative sum (rank of each token) and a ``topk`` over the region's
 ``(stamp, entry)`` keys.  So a decode CUDA graph records the update with the
 layers (``backend.py``), its padded rows masked out (``begin_pass(live=)``).
 ``tests/hot_reference.py`` keeps a per-request implementation of the same
-policy; the tests fuzz this one against it.  Plain torch, no SGLang.
+policy; the tests fuzz this one against it.  Plain torch and the re-pin
+kernel of ``oscar_sglang.kernels``, no SGLang.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ from dataclasses import dataclass
 import torch
 
 from oscar_sglang import windows
+from oscar_sglang.kernels import api as kernels
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,7 @@ class HotSet:
         self._req_pass: torch.Tensor | None = None
         # made now, not first inside a CUDA graph capture (where it would hold nothing until a replay)
         _columns(sink, recent, self.device)
+        self.kernel_backend = "auto"    # the re-pin (kernels.repin_windows): Triton on CUDA, torch elsewhere
 
     @property
     def device(self) -> torch.device:
@@ -246,8 +251,7 @@ class HotSet:
         self._req_len_buf = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
         self._req_pass_buf = torch.zeros(rows + 1, dtype=torch.long, device=self.device)
         self._req_len, self._req_pass = self._req_len_buf[:rows], self._req_pass_buf[:rows]
-        # where _repin's no-op updates go: spread over the stamps, one element each per `entries` window
-        # positions, never all to one address (see _repin)
+        # where the torch re-pin's no-op updates go (kernels/repin/reference.py): spread over the stamps
         self._spread = torch.arange(rows * (self.sink + self.recent), device=self.device) % (self.entries + 1)
 
     def end_requests(self, rows, req_to_token: torch.Tensor) -> None:
@@ -293,20 +297,15 @@ class HotSet:
         So a token another request retired (its window moved past a shared
         prefix token, or it ended) stays in window while a live request still
         reads it there, ranked as if that request alone had stamped it; entries
-        already stamped later keep their stamp.  Fixed shapes ``[rows, sink +
-        recent]`` (rows of ``req_to_token``), about a dozen ops, no sync.
+        already stamped later keep their stamp.  Over every row of
+        ``req_to_token``: one launch of the Triton kernel on CUDA (a row
+        without a request costs two loads), the torch reference's 19 ops over
+        fixed shapes ``[rows * (sink + recent)]`` elsewhere; no sync.
         """
         if self.sink + self.recent == 0:
             return
-        slots, live = self._window_slots(self._req_len, None, req_to_token)   # live: in a live window
-        entry = self._hot_index.index_select(0, slots)
-        hit = live & (entry >= 0)
-        last = self._req_pass.unsqueeze(1).expand(-1, self.sink + self.recent).reshape(-1)
-        # Elsewhere (rows without a request: most of SGLang's 2048-4096 rows; window positions without an
-        # entry) the update is -1, a no-op under amax since every stamp is >= -1, at a spread address: sent
-        # to the trash, ~a million atomic updates of one element per pass would serialise on a GPU.
-        index = torch.where(hit, entry.long(), self._spread)
-        self._stamp.scatter_reduce_(0, index, torch.where(hit, last, self._none), "amax")
+        kernels.repin_windows(self._stamp, self._hot_index, self._req_len, self._req_pass, req_to_token,
+                              self.sink, self.recent, self._spread, backend=self.kernel_backend)
 
     def reset(self) -> None:
         """Every entry free, no request tracked (SGLang's cache flush: no slot holds a token any more)."""

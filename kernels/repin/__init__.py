@@ -1,0 +1,1 @@
+"""Re-pin of the live windows of the hot side pool (``reference``: torch, ``triton_kernel``: Triton)."""
