@@ -32,7 +32,9 @@ Measured in the same run:
   best BF16 = the fastest that ran; speedup = best BF16 time / INT2 time.
   Every baseline's output is checked against ``triton_bf16`` on every case.
 * a tile sweep (block_n x num_warps x num_stages) of the two Triton decodes on
-  two cases, and the write kernel's throughput (INT2, and INT4 keys + INT2 values).
+  two cases, and the write kernel's throughput (INT2, and INT4 keys + INT2 values);
+* the hot side pool's update per decode step, recorded in a CUDA graph and eager,
+  and its re-pin kernel against the torch re-pin (``bench_hot_update.py``).
 
 Timing: ``triton.testing.do_bench`` (median, ``--warmup``/``--rep`` ms, L2
 flushed between calls), eager launches (no CUDA graphs), so the smallest cases
@@ -106,6 +108,7 @@ from oscar_sglang.kernels.write import triton_kernel as write_tk  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_baselines as bl  # noqa: E402
+import bench_hot_update  # noqa: E402
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
@@ -655,6 +658,14 @@ def main() -> int:
         problems.append("write benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
         print(traceback.format_exc(), file=sys.stderr)
     meta["write_seconds"] = round(time.time() - t0, 1)
+    t0 = time.time()
+    hot_update = []
+    try:
+        hot_update += bench_hot_update.measure(DEVICE, timed, SMOKE)
+    except Exception:  # noqa: BLE001
+        problems.append("hot update benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
+        print(traceback.format_exc(), file=sys.stderr)
+    meta["hot_update_seconds"] = round(time.time() - t0, 1)
     meta["sdpa_refused"] = sdpa.refused
     meta["flashinfer"] = fi.version or "-"
     meta["flashinfer_status"] = (
@@ -667,10 +678,11 @@ def main() -> int:
     meta["seconds"] = round(time.time() - START, 1)
     ARGS.out.mkdir(parents=True, exist_ok=True)
     stem = ARGS.out / ("bench_kernels_cpu_smoke" if SMOKE else "bench_kernels")
-    stem.with_suffix(".md").write_text(markdown(meta, check, copy, decode, skipped, tuning, write, problems))
+    stem.with_suffix(".md").write_text(markdown(meta, check, copy, decode, skipped, tuning, write, problems)
+                                       + "\n".join(bench_hot_update.markdown(hot_update)) + "\n")
     stem.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "check": check, "copy": copy, "decode": decode, "skipped": skipped, "tuning": tuning,
-         "write": write, "problems": problems}, indent=1))
+         "write": write, "hot_update": hot_update, "problems": problems}, indent=1))
     plot(decode, stem.with_suffix(".png"))
     print(f"wrote {stem}.md/.json/.png in {meta['seconds']} s")
     for p in problems:

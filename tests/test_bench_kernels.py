@@ -191,10 +191,14 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
         assert row["q_rot"] in ("kernel", "torch") and row["int2_other_q_rot_ms"] > 0
     assert set(data["check"]["per_format"]) == {"int2", "int4k"}
     assert {(r["d"], r["formats"]) for r in data["write"]} == {(d, f) for d in (64, 128) for f in ("int2", "int4k")}
+    assert [r["batch"] for r in data["hot_update"]] == [1, 4]
+    for row in data["hot_update"]:                     # CPU: no graph; both re-pins ran
+        assert row["graph_ms"] is None and row["eager_ms"] > 0
+        assert row["repin_triton_ms"] > 0 and row["repin_torch_ms"] > 0
     assert (tmp_path / "bench_kernels_cpu_smoke.png").stat().st_size > 0
     md = (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
     assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md and "INT4-K" in md
-    assert "## Where the queries are rotated" in md
+    assert "## Where the queries are rotated" in md and "## Hot pool update per decode step" in md
     from oscar_sglang.kernels.decode.triton_kernel import rotates_q_in_kernel
 
     for row in data["decode"]:  # the label is the choice decode_attention made (CPU: 4 "multiprocessors")
