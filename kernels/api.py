@@ -85,3 +85,12 @@ def repin_windows(stamp: torch.Tensor, hot_index: torch.Tensor, req_len: torch.T
     """
     _op("repin", backend, stamp.device).repin_windows(stamp, hot_index, req_len, req_pass, req_to_token, sink,
                                                      recent, spread)
+
+
+def hot_decode_pass(hs, loc: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, req_to_token: torch.Tensor,
+                    live: torch.Tensor | None, repin) -> torch.Tensor:
+    """A decode pass of ``HotSet`` ``hs`` in Triton (``hot_pass/triton_kernel.py``); returns ``hot_loc``.
+
+    Triton only (CUDA, or the interpreter on CPU): the torch path is ``HotSet``'s own.
+    """
+    return _op("hot_pass", "triton", loc.device).decode_pass(hs, loc, rows, seq, req_to_token, live, repin)

@@ -39,7 +39,7 @@ class _Recorder:
 def _type(v) -> str:
     if isinstance(v, torch.Tensor):
         return "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
-                      torch.int32: "i32", torch.int64: "i64"}[v.dtype]
+                      torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}[v.dtype]
     if isinstance(v, bool):
         return "i1"
     if isinstance(v, int):
@@ -80,6 +80,7 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
     from .decode import bf16_baseline
     from .decode import triton_kernel as dec
     from .extend import triton_kernel as ext
+    from .hot_pass import triton_kernel as hot
     from .repin import triton_kernel as rep
     from .write import triton_kernel as wr
 
@@ -127,12 +128,30 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
     add("repin sink=64 recent=256", rep, "_repin_kernel",
         lambda: rep.repin_windows(torch.zeros(41, dtype=torch.long), torch.full((100,), -1, dtype=torch.int32),
                                   req_len, req_pass, torch.zeros(3, 9100, dtype=torch.int32), 64, 256))
+    for over in (False, True):                   # regions that hold the batch's demand / that do not
+        hs = _hot_set(sink_entries=2 if over else 80, recent_entries=3 if over else 320)
+        live = torch.tensor([True, True, False, True])
+        for name, other in (("_release_retire_track", "_assign"), ("_assign", "_release_retire_track")):
+            with _replaced(hot, other, _Recorder(None, [])):          # the other kernel: recorded, dropped
+                add(f"hot decode pass{', regions < batch' if over else ''}", hot, name,
+                    lambda: hot.decode_pass(hs, torch.tensor([5, 9, 0, 7]), torch.tensor([1, 2, 0, 3]),
+                                            torch.tensor([100, 300, 1, 70]), torch.zeros(4, 400, dtype=torch.int32),
+                                            live, lambda: None))
     mid_o, mid_lse = torch.zeros(2, 8, 5, 128), torch.zeros(2, 8, 5)
     add("reduce d=128 splits=5", dec, "_decode_reduce_kernel", lambda: dec.merge_splits(mid_o, mid_lse))
     v_rot = scenario.random_rotation(2, 128).v_rot
     add("reduce+derotate d=128 splits=5 gqa=4 bf16", dec, "_decode_reduce_kernel",
         lambda: dec.merge_splits(mid_o, mid_lse, v_rot, torch.bfloat16))
     return out
+
+
+def _hot_set(sink_entries: int, recent_entries: int):
+    """A hot set (sink 64, recent 256) tracking 4 request rows, for the decode pass's launches."""
+    from oscar_sglang.sglang.hot import HotSet
+
+    hs = HotSet(1000, sink_entries, recent_entries, 64, 256)
+    hs.track_requests(4)
+    return hs
 
 
 def compile_all(arch: int = 90, verbose: bool = True) -> list[dict]:

@@ -22,6 +22,7 @@ MODULES = (
     "oscar_sglang.kernels.decode.bf16_baseline",
     "oscar_sglang.kernels.extend.triton_kernel",
     "oscar_sglang.kernels.repin.triton_kernel",
+    "oscar_sglang.kernels.hot_pass.triton_kernel",
 )
 
 

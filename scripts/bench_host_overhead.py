@@ -203,20 +203,36 @@ def _time(fn, passes: int, warmup: int) -> tuple[float, list[float]]:
 
 
 @contextlib.contextmanager
-def _repin_as_one_launch():
-    """What a CUDA pass launches: the re-pin is one Triton kernel there (``kernels/repin``), 19 torch ops here."""
+def _launches_as_on_cuda(hot):
+    """What a CUDA decode pass launches: the fused decode pass (``kernels/hot_pass``), its Triton kernels
+    (and the re-pin's) counted as one launch each instead of run, its torch ops (the regions' ``topk``) run."""
     from oscar_sglang.kernels import api
+    from oscar_sglang.kernels.hot_pass import triton_kernel as hot_pass
+    from oscar_sglang.kernels.repin import triton_kernel as repin
 
-    real, launches = api.repin_windows, [0]
+    launches = [0]
 
-    def one_launch(*args, **kwargs):
-        launches[0] += 1
+    class Launch:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches[0] += 1
+            return launch
 
-    api.repin_windows = one_launch
+    saved = [(m, n, getattr(m, n)) for m, n in ((hot_pass, "_release_retire_track"), (hot_pass, "_assign"),
+                                                 (repin, "_repin_kernel"), (api, "hot_decode_pass"))]
+    for m, n, _ in saved[:3]:
+        setattr(m, n, Launch())
+    api.hot_decode_pass = lambda hs, loc, rows, seq, r2t, live, repin_fn: hot_pass.decode_pass(
+        hs, loc, rows, seq, r2t, live, lambda: repin.repin_windows(hs._stamp, hs._hot_index, hs._req_len,
+                                                                   hs._req_pass, r2t, hs.sink, hs.recent))
+    backend = hot.kernel_backend
+    hot.kernel_backend = "triton"
     try:
         yield launches
     finally:
-        api.repin_windows = real
+        hot.kernel_backend = backend
+        for m, n, real in saved:
+            setattr(m, n, real)
 
 
 def bench_batch(batch: int, args) -> dict:
@@ -266,8 +282,8 @@ def bench_batch(batch: int, args) -> dict:
         backend.init_forward_metadata(batches[-1])
     new_ops = count.n
     count = OpCount()
-    with count, _repin_as_one_launch() as launches:
-        backend.init_forward_metadata(batches[-1])         # last pass: the stub leaves the stamps as they are
+    with count, _launches_as_on_cuda(hot) as launches:
+        backend.init_forward_metadata(batches[-1])         # last pass: the stubs leave the state as it is
     gpu_launches = count.n + launches[0]
     count = OpCount()
     with count:
@@ -310,7 +326,7 @@ def write_report(rows: list[dict], args, out: Path) -> None:
         "its column at large batch, ours touches `batch x (sink + recent)` window entries and a "
         "`topk` over the recent region. On a GPU the host cost is about the number of launches instead, "
         "flat in the batch for both: there ours is the larger (the `ops` columns); "
-        "`begin_pass` has fixed shapes and no syncs; with decode CUDA graphs it ran eagerly before each replay until 2026-12-03 and is now recorded in the graph (the host launches none of it; docs/SGLANG.md), so these ops are the host cost of extend passes and of eager decode. Since 2026-12-01 it also puts the tokens leaving each window out of window (the pinning rule, docs/SGLANG.md): 69 ops per decode pass instead of 45; since 2026-12-02 the pool is attached to the request rows as in the server (lengths tracked) and every pass re-pins the windows of the live requests (a prefix token shared through a radix hit stays in window while any live request reads it there): 84-86 ops, and on CPU work over `rows x (sink + recent)` (rows = batch here; SGLang's request rows on a server, 2048-4096). Since 2026-12-03 that re-pin's updates of rows without a request no longer all go to one address, and on CUDA it is one Triton launch (`kernels/repin`) instead of its 19 torch ops: `GPU launches new` counts a CUDA pass (the torch ops with the re-pin as one launch).",
+        "`begin_pass` has fixed shapes and no syncs; with decode CUDA graphs it ran eagerly before each replay until 2026-12-03 and is now recorded in the graph (the host launches none of it; docs/SGLANG.md), so these ops are the host cost of extend passes and of eager decode. Since 2026-12-01 it also puts the tokens leaving each window out of window (the pinning rule, docs/SGLANG.md): 69 ops per decode pass instead of 45; since 2026-12-02 the pool is attached to the request rows as in the server (lengths tracked) and every pass re-pins the windows of the live requests (a prefix token shared through a radix hit stays in window while any live request reads it there): 84-86 ops, and on CPU work over `rows x (sink + recent)` (rows = batch here; SGLang's request rows on a server, 2048-4096). Since 2026-12-03 that re-pin's updates of rows without a request no longer all go to one address, and on CUDA a decode pass is the fused one of `kernels/hot_pass` (two Triton kernels, the re-pin kernel and each region's `topk`): `GPU launches new` counts what a CUDA decode pass launches (its Triton kernels stubbed and counted, its torch ops counted); the `ops new` column is the general torch path, what CPU serving and extend passes run.",
         "",
         "| batch | hot entries | ours new (us) | ours old (us) | SGLang triton (us) | new / triton "
         "| old / new | ops new | GPU launches new | ops old | ops triton |",

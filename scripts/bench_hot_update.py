@@ -3,8 +3,9 @@
     python scripts/bench_kernels.py --out OUT        # writes it as a section of bench_kernels.md/.json
 
 Every decode step runs one update for all layers before them (``oscar_sglang/sglang/hot.py``): under
-SGLang's decode CUDA graphs it is recorded in the graph (81 small launches at a padded batch, the re-pin
-one Triton kernel); it adds to the step what a layer's decode kernel does not show.  Measured here, per
+SGLang's decode CUDA graphs it is recorded in the graph (on CUDA the fused decode pass of
+``kernels/hot_pass``, ~7 launches; ~80 small ones in the general torch path); it adds to the step what a
+layer's decode kernel does not show.  Measured here, per
 batch size, on the state SGLang gives it: ``--rows`` request rows tracked (SGLang allocates 2048-4096
 whatever the load; the re-pin scans them all), sink 64 / recent 256, the hot pool sized for 32
 requests, every request ``--context`` tokens long with its windows hot:
@@ -13,6 +14,7 @@ requests, every request ``--context`` tokens long with its windows hot:
   a decode step pays on the GPU;
 * ``eager``: the same update launched op by op (SGLang's eager decode, and ``OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager``):
   mostly host launch time;
+* each for the fused decode pass (Triton, what a GPU runs) and the general torch path;
 * ``repin``: the re-pin alone over all rows, the Triton kernel and the torch reference (which ran on the
   GPU before 2026-12-03).
 
@@ -66,28 +68,34 @@ def measure(device, timed, smoke: bool, rows: int = 4096, context: int = 4096,
             hs.begin_pass(loc, live_rows, seq - 1, seq, req_to_token, decode=True, live=live)
 
         row = {"batch": batch, "rows": rows, "context": context, "sink": sink, "recent": recent,
-               "hot_entries": hs.entries, "eager_ms": timed(step)}
-        if device.type == "cuda":
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step(), step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            row["graph_ms"] = timed(graph.replay)
-        else:
-            row["graph_ms"] = None
+               "hot_entries": hs.entries}
+        for path, backend in (("fused", "triton"), ("torch", "torch")):
+            hs.kernel_backend = backend
+            row[f"{path}_eager_ms"] = timed(step)
+            row[f"{path}_graph_ms"] = _graph_ms(step, timed) if device.type == "cuda" else None
         args = (hs._stamp, hs._hot_index, hs._req_len, hs._req_pass, req_to_token, sink, recent)
         from oscar_sglang.kernels.repin import triton_kernel as repin_tk
 
         row["repin_triton_ms"] = timed(lambda: repin_tk.repin_windows(*args))
         row["repin_torch_ms"] = timed(lambda: repin_ref.repin_windows(*args, hs._spread))
         out.append(row)
-        print(f"hot update batch={batch} rows={rows}: graph {row['graph_ms']} ms, eager {row['eager_ms']:.3f} ms, "
-              f"repin triton {row['repin_triton_ms']:.3f} / torch {row['repin_torch_ms']:.3f} ms", flush=True)
+        print(f"hot update batch={batch} rows={rows}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
+                                                                   if k.endswith("_ms") and v is not None),
+              flush=True)
     return out
+
+
+def _graph_ms(step, timed) -> float:
+    """``step`` recorded in a CUDA graph (after two warm-ups on a side stream, as SGLang captures) and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(), step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return timed(graph.replay)
 
 
 def markdown(rows: list[dict]) -> list[str]:
@@ -102,11 +110,14 @@ def markdown(rows: list[dict]) -> list[str]:
     lines = ["", "## Hot pool update per decode step (once for all layers)", "",
              f"`HotSet.begin_pass` over {r0['rows']} tracked request rows (SGLang's table), sink {r0['sink']} / "
              f"recent {r0['recent']}, {r0['hot_entries']} hot entries, requests of {r0['context']} tokens "
-             "(scripts/bench_hot_update.py). graph = recorded in a CUDA graph and replayed (a decode step's cost "
-             "on the GPU); eager = launched op by op (host-bound); re-pin = the scan of every row's window alone, "
-             "Triton kernel vs the torch reference.", "",
-             "| batch | graph ms | eager ms | re-pin Triton ms | re-pin torch ms |", "|---|---|---|---|---|"]
+             "(scripts/bench_hot_update.py). fused = the decode pass in Triton (`kernels/hot_pass`, what a "
+             "GPU runs), torch = its general torch path (~80 small ops); graph = recorded in a CUDA graph and "
+             "replayed (a decode step's cost on the GPU), eager = launched op by op (host-bound); re-pin = the "
+             "scan of every row's window alone, Triton kernel vs the torch re-pin.", "",
+             "| batch | fused, graph ms | torch, graph ms | fused, eager ms | torch, eager ms | re-pin Triton ms "
+             "| re-pin torch ms |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['batch']} | {ms(r['graph_ms'])} | {ms(r['eager_ms'])} | {ms(r['repin_triton_ms'])} | "
+        lines.append(f"| {r['batch']} | {ms(r['fused_graph_ms'])} | {ms(r['torch_graph_ms'])} | "
+                     f"{ms(r['fused_eager_ms'])} | {ms(r['torch_eager_ms'])} | {ms(r['repin_triton_ms'])} | "
                      f"{ms(r['repin_torch_ms'])} |")
     return lines

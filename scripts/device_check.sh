@@ -126,7 +126,8 @@ INTERP=()
 [ "$GPU" = 1 ] || [ -z "${INTERPRETER_PYTHONPATH:-}" ] || INTERP=(env "PYTHONPATH=$INTERPRETER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}")
 step kernel_tests $([ "$GPU" = 1 ] && echo 130 || echo 400) "${INTERP[@]}" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
     --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
-    "$ROOT"/tests/test_kernels_extend.py "$ROOT"/tests/test_kernels_repin.py "$ROOT"/tests/test_hot_plan.py \
+    "$ROOT"/tests/test_kernels_extend.py "$ROOT"/tests/test_kernels_repin.py "$ROOT"/tests/test_kernels_hot_pass.py \
+    "$ROOT"/tests/test_hot_plan.py \
     "$ROOT"/tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode
 
 # The model folder: dummy weights of the run's geometry and its Hadamard rotations (servers, calibration).

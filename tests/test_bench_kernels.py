@@ -192,8 +192,9 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
     assert set(data["check"]["per_format"]) == {"int2", "int4k"}
     assert {(r["d"], r["formats"]) for r in data["write"]} == {(d, f) for d in (64, 128) for f in ("int2", "int4k")}
     assert [r["batch"] for r in data["hot_update"]] == [1, 4]
-    for row in data["hot_update"]:                     # CPU: no graph; both re-pins ran
-        assert row["graph_ms"] is None and row["eager_ms"] > 0
+    for row in data["hot_update"]:                     # CPU: no graph; both paths and both re-pins ran
+        assert row["fused_graph_ms"] is None and row["torch_graph_ms"] is None
+        assert row["fused_eager_ms"] > 0 and row["torch_eager_ms"] > 0
         assert row["repin_triton_ms"] > 0 and row["repin_torch_ms"] > 0
     assert (tmp_path / "bench_kernels_cpu_smoke.png").stat().st_size > 0
     md = (tmp_path / "bench_kernels_cpu_smoke.md").read_text()

@@ -58,11 +58,9 @@ The returned ``hot_loc`` (entry per new token or -1) is what the write path
 copies the rotated BF16 rows to, in every layer.
 
 **No host work per request, no device sync.**  :func:`window_plan` and
-:meth:`HotSet.update` are fixed sequences of tensor ops (on CUDA 72 per
-eager decode pass and 81 for a CUDA graph's padded batch, whatever the batch,
-plus one Triton launch for the re-pin, ``kernels/repin``; on CPU the re-pin
-is 19 more torch ops) whose shapes depend only on host numbers SGLang
-already has (batch size, number of new tokens), on the request rows and on the settings: no
+:meth:`HotSet.update` are fixed sequences of tensor ops (about 90 per
+decode pass whatever the batch, the re-pin 19 of them) whose shapes depend
+only on host numbers SGLang already has (batch size, number of new tokens), on the request rows and on the settings: no
 ``nonzero``, no boolean-mask indexing, no ``.item()``.  Masked writes go to
 one spare element at the end of ``hot_index``, ``owner`` and ``stamp`` (the
 *trash*, index -1, so an absent entry ``-1`` addresses it by itself; never
@@ -72,8 +70,14 @@ cumulative sum (rank of each token) and a ``topk`` over the region's
 ``(stamp, entry)`` keys.  So a decode CUDA graph records the update with the
 layers (``backend.py``), its padded rows masked out (``begin_pass(live=)``).
 ``tests/hot_reference.py`` keeps a per-request implementation of the same
-policy; the tests fuzz this one against it.  Plain torch and the re-pin
-kernel of ``oscar_sglang.kernels``, no SGLang.
+policy; the tests fuzz this one against it.
+
+**On CUDA** (with the request rows tracked, as the server does) a decode
+pass is the fused one of ``kernels/hot_pass`` (two Triton kernels, the
+re-pin kernel of ``kernels/repin`` and each region's ``topk``: 12 launches
+per pass, docs/host_overhead.md), tested equal to this general torch path
+state for state; extend passes and the CPU run the torch path, its re-pin
+the torch reference of ``kernels/repin``.  No SGLang imports.
 """
 
 from __future__ import annotations
@@ -253,6 +257,13 @@ class HotSet:
         self._req_len, self._req_pass = self._req_len_buf[:rows], self._req_pass_buf[:rows]
         # where the torch re-pin's no-op updates go (kernels/repin/reference.py): spread over the stamps
         self._spread = torch.arange(rows * (self.sink + self.recent), device=self.device) % (self.entries + 1)
+
+    def _fused_decode(self) -> bool:
+        """Decode passes in a few Triton launches (``kernels/hot_pass``): on CUDA with the request rows tracked
+        (as the server does), or wherever ``kernel_backend`` is "triton" (tests, under the interpreter)."""
+        if self._req_len is None:
+            return False
+        return self.kernel_backend == "triton" or (self.kernel_backend == "auto" and self.device.type == "cuda")
 
     def end_requests(self, rows, req_to_token: torch.Tensor) -> None:
         """Requests in ``rows`` (``req_to_token`` rows being freed) ended: their window entries go out of window.
@@ -470,6 +481,11 @@ class HotSet:
         n, batch = out_cache_loc.numel(), req_pool_indices.numel()
         if live is not None and not decode:
             raise ValueError("live rows are for decode passes (one new token per row)")
+        if decode and n and self._fused_decode():
+            return kernels.hot_decode_pass(self, out_cache_loc.to(self.device), req_pool_indices.to(self.device),
+                                           _lengths(seq_lens, self.device), req_to_token,
+                                           None if live is None else live.to(self.device),
+                                           lambda: self._repin(req_to_token))
         plan = window_plan(prefix_lens, seq_lens, n, self.sink, self.recent, device=self.device,
                            one_new_each=decode)
         kept = leave = None

@@ -29,7 +29,7 @@ ENV_HOT_REQUESTS = "OSCAR_SGLANG_HOT_REQUESTS"
 # --kv-cache-dtype, so BF16 and INT2 capacities can be compared exactly.
 ENV_KV_BUDGET = "OSCAR_SGLANG_KV_BUDGET_BYTES"
 # Where a decode CUDA graph's hot pool update runs: "graph" (recorded in the
-# graph, the default) or "eager" (before each replay, 73 launches from the
+# graph, the default) or "eager" (before each replay, launched from the
 # host): the way back if recording it ever fails on a GPU.
 ENV_GRAPH_HOT_UPDATE = "OSCAR_SGLANG_GRAPH_HOT_UPDATE"
 GRAPH_HOT_UPDATES = ("graph", "eager")
