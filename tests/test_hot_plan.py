@@ -319,6 +319,7 @@ def test_begin_pass_records_in_a_cuda_graph_with_padded_rows():
     graph_hs, eager_hs = (HotSet(300, 8, 24, 2, 8, device=dev) for _ in range(2))
     for hs in (graph_hs, eager_hs):
         hs.track_requests(12)
+    eager_hs.kernel_backend = "torch"           # the twin on the general torch path; the graph records the fused one
 
     def on_end(rows, req_to_token):
         graph_hs.end_requests(rows, req_to_token), eager_hs.end_requests(rows, req_to_token)

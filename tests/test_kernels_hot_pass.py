@@ -60,7 +60,14 @@ def test_fused_decode_pass_matches_the_torch_path(seed):
             seq = torch.cat([seq, torch.tensor([rng.choice([1, rng.randrange(1, 10)]) for _ in range(pad)],
                                                device=DEVICE)])
             live = torch.arange(loc.numel(), device=DEVICE) < len(reqs)
-        got = fused.begin_pass(loc, rws, seq - 1, seq, r2t, decode=True, live=live)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")                 # CUDA itself refuses any sync
+        try:
+            got = fused.begin_pass(loc, rws, seq - 1, seq, r2t, decode=True, live=live)
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
         want = plain.begin_pass(loc, rws, seq - 1, seq, r2t, decode=True, live=live)
         assert torch.equal(got, want), (seed, step)
         for name, a, b in zip(("hot_index", "owner", "stamp", "clock", "evictions", "denied", "req_len",

@@ -58,29 +58,23 @@ def _release_retire_track(loc_ptr, rows_ptr, seq_ptr, live_ptr, hot_index_ptr, o
 
 
 @triton.jit
-def _region_take(wants, order_ptr, SIZE: tl.constexpr, K: tl.constexpr, OVER: tl.constexpr):
-    """(take, entry) of the tokens wanting an entry of a region: the ``K`` smallest-key entries
-    ``order_ptr[0:K]`` in token order; if more want one than the region has (``OVER``), the last ``SIZE``."""
+def _region_take(wants, order_ptr, size, over):
+    """(take, entry) of the tokens wanting an entry of a region: its smallest-key entries ``order_ptr[0:]``
+    in token order; if more may want one than the region has (``over``), only the last ``size`` take one."""
     w = wants.to(tl.int32)
     rank = tl.cumsum(w, 0)
-    if OVER:
-        first = tl.maximum(tl.sum(w, 0) - (SIZE - 1), 1)
-        j = tl.maximum(rank - first, -1)
-        take = wants & (j >= 0)
-    else:
-        j = rank - 1
-        take = wants
+    first = tl.maximum(tl.sum(w, 0) - (size - 1), 1)
+    j = tl.where(over != 0, tl.maximum(rank - first, -1), rank - 1)
+    take = wants & (j >= 0)
     entry = tl.load(order_ptr + j, mask=take, other=-1)
     return take, entry
 
 
 @triton.jit
 def _assign(loc_ptr, seq_ptr, live_ptr, sink_order_ptr, recent_order_ptr, hot_index_ptr, owner_ptr, stamp_ptr,
-            clock_ptr, evictions_ptr, denied_ptr, hot_loc_ptr, bs,
-            SINK: tl.constexpr, RECENT: tl.constexpr, HAS_LIVE: tl.constexpr,
-            SINK_SIZE: tl.constexpr, SINK_K: tl.constexpr, SINK_OVER: tl.constexpr,
-            RECENT_SIZE: tl.constexpr, RECENT_K: tl.constexpr, RECENT_OVER: tl.constexpr,
-            BLOCK: tl.constexpr):
+            clock_ptr, evictions_ptr, denied_ptr, hot_loc_ptr, bs, sink_size, sink_over, recent_size, recent_over,
+            SINK: tl.constexpr, RECENT: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_SINK: tl.constexpr,
+            HAS_RECENT: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     inb = i < bs
     live = inb
@@ -93,12 +87,12 @@ def _assign(loc_ptr, seq_ptr, live_ptr, sink_order_ptr, recent_order_ptr, hot_in
     is_recent = live & (pos >= tl.maximum(seq - RECENT, SINK))
     take = tl.zeros([BLOCK], dtype=tl.int1)
     entry = tl.full([BLOCK], -1, tl.int64)
-    if SINK_K > 0:
-        take_s, entry_s = _region_take(is_sink, sink_order_ptr, SINK_SIZE, SINK_K, SINK_OVER)
+    if HAS_SINK:
+        take_s, entry_s = _region_take(is_sink, sink_order_ptr, sink_size, sink_over)
         take = take | take_s
         entry = tl.where(take_s, entry_s, entry)
-    if RECENT_K > 0:
-        take_r, entry_r = _region_take(is_recent, recent_order_ptr, RECENT_SIZE, RECENT_K, RECENT_OVER)
+    if HAS_RECENT:
+        take_r, entry_r = _region_take(is_recent, recent_order_ptr, recent_size, recent_over)
         take = take | take_r
         entry = tl.where(take_r, entry_r, entry)
     clock = tl.load(clock_ptr) + tl.max(live.to(tl.int64), 0)          # a pass of padded rows only is no pass
@@ -153,8 +147,10 @@ def decode_pass(hs, loc: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, re
         k = min(demand, region.size)
         regions.append((_smallest(region, k) if k else out, region.size, k, demand > region.size))
     (sink_order, sink_size, sink_k, sink_over), (recent_order, recent_size, recent_k, recent_over) = regions
+    # sizes and "more may ask than the region has" are run-time arguments: one compiled kernel per power of
+    # two of the batch, not one per batch size (CUDA graph capture sizes, eager decode batches)
     _assign[(1,)](loc, seq, live_t, sink_order, recent_order, hs._hot_index, hs._owner, hs._stamp, hs._clock,
-                  hs._in_window_evictions, hs._denied, out, bs, SINK=hs.sink, RECENT=hs.recent,
-                  HAS_LIVE=has_live, SINK_SIZE=sink_size, SINK_K=sink_k, SINK_OVER=sink_over,
-                  RECENT_SIZE=recent_size, RECENT_K=recent_k, RECENT_OVER=recent_over, BLOCK=block)
+                  hs._in_window_evictions, hs._denied, out, bs, sink_size, int(sink_over), recent_size,
+                  int(recent_over), SINK=hs.sink, RECENT=hs.recent, HAS_LIVE=has_live, HAS_SINK=sink_k > 0,
+                  HAS_RECENT=recent_k > 0, BLOCK=block)
     return out
