@@ -27,14 +27,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _release_retire_track(loc_ptr, rows_ptr, seq_ptr, live_ptr, hot_index_ptr, owner_ptr, stamp_ptr,
-                          req_len_ptr, req_pass_ptr, clock_ptr, req_to_token_ptr, stride_row, bs,
-                          SINK: tl.constexpr, RECENT: tl.constexpr, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr):
+def _lanes(live_ptr, bs, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr):
+    """A lane per batch row: its index, whether it is a row, whether the row is live (not a graph's padding)."""
     i = tl.arange(0, BLOCK)
     inb = i < bs
     live = inb
     if HAS_LIVE:
         live = inb & (tl.load(live_ptr + i, mask=inb, other=0) != 0)
+    return i, inb, live
+
+
+@triton.jit
+def _release_retire_track(loc_ptr, rows_ptr, seq_ptr, live_ptr, hot_index_ptr, owner_ptr, stamp_ptr,
+                          req_len_ptr, req_pass_ptr, clock_ptr, req_to_token_ptr, stride_row, bs,
+                          SINK: tl.constexpr, RECENT: tl.constexpr, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr):
+    i, inb, live = _lanes(live_ptr, bs, HAS_LIVE, BLOCK)
     slot = tl.load(loc_ptr + i, mask=live, other=0)
     row = tl.load(rows_ptr + i, mask=live, other=0)
     seq = tl.load(seq_ptr + i, mask=live, other=0)
@@ -75,11 +82,7 @@ def _assign(loc_ptr, seq_ptr, live_ptr, sink_order_ptr, recent_order_ptr, hot_in
             clock_ptr, evictions_ptr, denied_ptr, hot_loc_ptr, bs, sink_size, sink_over, recent_size, recent_over,
             SINK: tl.constexpr, RECENT: tl.constexpr, HAS_LIVE: tl.constexpr, HAS_SINK: tl.constexpr,
             HAS_RECENT: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.arange(0, BLOCK)
-    inb = i < bs
-    live = inb
-    if HAS_LIVE:
-        live = inb & (tl.load(live_ptr + i, mask=inb, other=0) != 0)
+    i, inb, live = _lanes(live_ptr, bs, HAS_LIVE, BLOCK)
     slot = tl.load(loc_ptr + i, mask=inb, other=0)
     seq = tl.load(seq_ptr + i, mask=inb, other=1)
     pos = seq - 1

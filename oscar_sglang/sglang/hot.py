@@ -217,7 +217,9 @@ class HotSet:
         self._req_pass: torch.Tensor | None = None
         # made now, not first inside a CUDA graph capture (where it would hold nothing until a replay)
         _columns(sink, recent, self.device)
-        self.kernel_backend = "auto"    # the re-pin (kernels.repin_windows): Triton on CUDA, torch elsewhere
+        # the re-pin (kernels.repin_windows) and, with request rows tracked, decode passes (kernels/hot_pass):
+        # "auto" = Triton on CUDA, torch elsewhere; "triton" (tests: the interpreter on CPU) or "torch"
+        self.kernel_backend = "auto"
 
     @property
     def device(self) -> torch.device:
@@ -287,19 +289,16 @@ class HotSet:
             self.retire(*self._window_slots(length, rows, req_to_token))
             self._repin(req_to_token)
 
-    def _window_slots(self, length: torch.Tensor, rows: torch.Tensor | None, req_to_token: torch.Tensor):
-        """Slots of the windows of request ``rows`` (None: every row) at ``length`` tokens, flat
-        ``[rows * (sink + recent)]``, and which of them are window positions (the layout of
-        :func:`window_plan`'s ``keep_pos`` with prefix = seq)."""
+    def _window_slots(self, length: torch.Tensor, rows: torch.Tensor, req_to_token: torch.Tensor):
+        """Slots of the windows of request ``rows`` at ``length`` tokens, flat ``[rows * (sink + recent)]``,
+        and which of them are window positions (the layout of :func:`window_plan`'s ``keep_pos`` with
+        prefix = seq; the re-pin, ``kernels/repin``, walks the same layout over every row)."""
         length = length.unsqueeze(1)
         col, recent_col = _columns(self.sink, self.recent, self.device)
         pos = torch.addcmul(col, torch.clamp(length - (self.sink + self.recent), min=0), recent_col)
         live = pos < length
         pos = torch.clamp(pos, max=req_to_token.shape[1] - 1).to(req_to_token.device)
-        if rows is None:
-            slots = torch.gather(req_to_token, 1, pos)
-        else:
-            slots = req_to_token[rows.to(req_to_token.device).unsqueeze(1), pos]
+        slots = req_to_token[rows.to(req_to_token.device).unsqueeze(1), pos]
         return slots.to(self.device).reshape(-1).long(), live.reshape(-1)
 
     def _repin(self, req_to_token: torch.Tensor) -> None:
