@@ -352,11 +352,11 @@ class _OverlapScheduler:
         return lambda: table.copy_(saved)
 
     def _end(self, backend, step):
-        for rows in [self.ENDS.get(step, [])]:
-            if rows:
-                stamps = backend.pool.hot.stamp.clone()
-                backend.pool.end_requests(rows, backend.req_to_token)
-                self.ended.append(not torch.equal(stamps, backend.pool.hot.stamp))
+        rows = self.ENDS.get(step)
+        if rows:
+            stamps = backend.pool.hot.stamp.clone()
+            backend.pool.end_requests(rows, backend.req_to_token)
+            self.ended.append(not torch.equal(stamps, backend.pool.hot.stamp))
 
 
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])

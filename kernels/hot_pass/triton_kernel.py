@@ -117,13 +117,6 @@ def _assign(loc_ptr, seq_ptr, live_ptr, sink_order_ptr, recent_order_ptr, hot_in
              - tl.sum(take.to(tl.int64), 0))
 
 
-def _smallest(region, k: int) -> torch.Tensor:
-    """The ``k`` entries of ``region`` with the smallest ``(stamp, entry)``, in that order (absolute indices)."""
-    key = torch.add(region.tie, region.stamp, alpha=region.size)
-    order = torch.topk(key, k, largest=False, sorted=True).indices
-    return order + region.start if region.start else order
-
-
 def decode_pass(hs, loc: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, req_to_token: torch.Tensor,
                 live: torch.Tensor | None, repin) -> torch.Tensor:
     """One decode pass of hot set ``hs`` (request rows tracked); returns ``hot_loc`` int64 ``[bs]``.
@@ -148,7 +141,7 @@ def decode_pass(hs, loc: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, re
     for region, window in ((hs._sink_region, hs.sink), (hs._recent_region, hs.recent)):
         demand = min(bs, bs * window)
         k = min(demand, region.size)
-        regions.append((_smallest(region, k) if k else out, region.size, k, demand > region.size))
+        regions.append((region.smallest(k) if k else out, region.size, k, demand > region.size))
     (sink_order, sink_size, sink_k, sink_over), (recent_order, recent_size, recent_k, recent_over) = regions
     # sizes and "more may ask than the region has" are run-time arguments: one compiled kernel per power of
     # two of the batch, not one per batch size (CUDA graph capture sizes, eager decode batches)

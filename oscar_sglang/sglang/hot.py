@@ -184,6 +184,12 @@ class _Region:
         # sort key (stamp, entry) as one integer: stamp * size + (size + local index); -1 (free) sorts first
         self.tie = torch.arange(size, size + size, device=stamp.device)
 
+    def smallest(self, k: int) -> torch.Tensor:
+        """The ``k`` entries with the smallest ``(stamp, entry)``, in that order (indices of the whole set)."""
+        key = torch.add(self.tie, self.stamp, alpha=self.size)
+        order = torch.topk(key, k, largest=False, sorted=True).indices
+        return order + self.start if self.start else order
+
 
 class HotSet:
     """``hot_index`` and entry ownership for a side pool of ``sink_entries + recent_entries`` rows."""
@@ -376,11 +382,7 @@ class HotSet:
             take = wants & (j >= 0)
         else:
             j, take = rank - 1, wants                           # j = -1 before the first taker
-        key = torch.add(region.tie, region.stamp, alpha=region.size)
-        order = torch.topk(key, k, largest=False, sorted=True).indices
-        if region.start:
-            order = order + region.start
-        return j, take, order
+        return j, take, region.smallest(k)
 
     def _assign(self, slots: torch.Tensor, is_sink: torch.Tensor, is_recent: torch.Tensor, sink_demand: int,
                 recent_demand: int) -> torch.Tensor:
