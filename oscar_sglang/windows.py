@@ -13,6 +13,8 @@ tensors (broadcasting); plain torch, no SGLang.
 
 from __future__ import annotations
 
+import torch
+
 
 def in_sink(pos, sink: int):
     """Position in the sink window: ``pos < sink``."""
@@ -25,6 +27,19 @@ def in_recent(pos, length, sink: int, recent: int):
     if isinstance(start, int):
         return pos >= max(sink, start)
     return pos >= start.clamp(min=sink)
+
+
+def layout_positions(length, sink: int, recent: int, col, recent_col):
+    """The window of sequences of ``length`` tokens in the fixed layout ``[..., sink + recent]``.
+
+    Column ``j`` (``col = arange(sink + recent)``, ``recent_col = col >= sink``
+    as integers, made once by the caller) holds position ``j`` for ``j < sink``,
+    else ``max(0, length - sink - recent) + j``; ``length`` broadcasts against
+    the columns (``[batch, 1]``).  Positions at or past ``length`` are not in
+    the window (the caller masks them: ``pos < length``).  The serving
+    bookkeeping's plans, request windows and re-pin all use this layout.
+    """
+    return torch.addcmul(col, torch.clamp(length - (sink + recent), min=0), recent_col)
 
 
 def in_window(pos, length, sink: int, recent: int):

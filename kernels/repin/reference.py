@@ -2,10 +2,9 @@
 
 Request row ``r`` of ``req_to_token`` has ``req_len[r]`` tokens (0: no
 request) and was last in the pass ``req_pass[r]``.  Its window is the
-positions ``j < sink`` and the last ``recent`` (``oscar_sglang.windows``), in
-the fixed layout ``[rows, sink + recent]``: column ``j`` is position ``j``
-for ``j < sink``, else ``max(0, len - sink - recent) + j`` (positions at or
-past ``len`` are not in it).  Every entry held by a slot of a live window
+positions ``j < sink`` and the last ``recent``, in the fixed layout
+``[rows, sink + recent]`` of ``oscar_sglang.windows.layout_positions``
+(positions at or past ``len`` are not in it).  Every entry held by a slot of a live window
 gets at least that pass as stamp: ``stamp[e] = max(stamp[e], req_pass[r])``.
 
 Fixed shapes ``[rows * (sink + recent)]``, no host sync.  Positions without
@@ -17,6 +16,8 @@ so that no element takes most of the atomic updates on a GPU.
 from __future__ import annotations
 
 import torch
+
+from oscar_sglang import windows
 
 
 def repin_windows(stamp: torch.Tensor, hot_index: torch.Tensor, req_len: torch.Tensor, req_pass: torch.Tensor,
@@ -30,7 +31,7 @@ def repin_windows(stamp: torch.Tensor, hot_index: torch.Tensor, req_len: torch.T
         return
     col = torch.arange(w, device=stamp.device)
     length = req_len.unsqueeze(1)
-    pos = col + torch.clamp(length - w, min=0) * (col >= sink)
+    pos = windows.layout_positions(length, sink, recent, col, (col >= sink).long())
     live = (pos < length).reshape(-1)
     pos = torch.clamp(pos, max=width - 1).to(req_to_token.device)
     slot = torch.gather(req_to_token, 1, pos).reshape(-1).long().to(stamp.device)

@@ -151,8 +151,7 @@ def window_plan(prefix_lens: torch.Tensor | Sequence[int], seq_lens: torch.Tenso
         new_pos = new_len = torch.zeros(0, dtype=torch.long, device=dev)
     col, recent_col = _columns(sink, recent, dev)
     # recent columns start at max(sink, seq - recent); a position is kept iff it is cached (< prefix)
-    shift = torch.clamp(seq - (sink + recent), min=0).unsqueeze(1)
-    keep_pos = torch.addcmul(col, shift, recent_col)            # [batch, sink + recent]
+    keep_pos = windows.layout_positions(seq.unsqueeze(1), sink, recent, col, recent_col)   # [batch, sink + recent]
     keep_mask = keep_pos < prefix.unsqueeze(1)
     # leaving the recent window: [max(sink, prefix - recent), min(prefix, max(sink, seq - recent)))
     width = min(recent, 1) if one_new_each else recent
@@ -301,7 +300,7 @@ class HotSet:
         prefix = seq; the re-pin, ``kernels/repin``, walks the same layout over every row)."""
         length = length.unsqueeze(1)
         col, recent_col = _columns(self.sink, self.recent, self.device)
-        pos = torch.addcmul(col, torch.clamp(length - (self.sink + self.recent), min=0), recent_col)
+        pos = windows.layout_positions(length, self.sink, self.recent, col, recent_col)
         live = pos < length
         pos = torch.clamp(pos, max=req_to_token.shape[1] - 1).to(req_to_token.device)
         slots = req_to_token[rows.to(req_to_token.device).unsqueeze(1), pos]
