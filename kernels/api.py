@@ -67,7 +67,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
 
     ``tuning`` (Triton only): ``max_extend_len`` (avoids a host sync),
     ``max_prefix_len`` (lets the kernel split a long cached prefix, without a
-    host sync), ``num_splits``, ``block_rows``, ``block_n``, ``num_warps``, ``num_stages``.
+    host sync), ``num_splits``, ``block_rows``, ``block_n``, ``num_warps``, ``num_stages``, ``dots``
+    (``"bf16"``, the default, or ``"tf32"``: the dots' operands).
     """
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     op = _op("extend", backend, q.device)

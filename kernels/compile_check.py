@@ -22,6 +22,9 @@ import torch
 
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# tiles of the extend kernel beside its default (block_rows 64, block_n 32, 8 warps, 2 stages) that
+# scripts/bench_extend.py times on the GPU
+EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block_n": 64}, {"num_warps": 4})
 
 
 class _Recorder:
@@ -114,9 +117,15 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                                                  paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
                                                  rotate_q_in_kernel=in_kernel))
         qe = torch.randn(4, kv * gqa, d)
-        add(f"extend {tag}", ext, "_extend_kernel",
-            lambda: ext.extend_attention(qe, k, v, store, rot, paged.req_to_token, paged.req_pool_indices,
-                                         torch.tensor([3, 0]), torch.tensor([1, 3]), 0.1))
+        for dots in ext.DOT_CHOICES:
+            add(f"extend {tag} {dots} dots", ext, "_extend_kernel",
+                lambda: ext.extend_attention(qe, k, v, store, rot, paged.req_to_token, paged.req_pool_indices,
+                                             torch.tensor([3, 0]), torch.tensor([1, 3]), 0.1, dots=dots))
+        if d == 128 and kf.bits == 2 and same and g == d:  # the prefill benchmark's tile sweep (bf16 dots)
+            for tile in EXTEND_SWEEP:
+                add(f"extend sweep {tag} " + " ".join(f"{k}={v}" for k, v in tile.items()), ext, "_extend_kernel",
+                    lambda: ext.extend_attention(qe, k, v, store, rot, paged.req_to_token, paged.req_pool_indices,
+                                                 torch.tensor([3, 0]), torch.tensor([1, 3]), 0.1, **tile))
         if g == d and kf.bits == 2 and same:
             with _replaced(bf16_baseline, "merge_splits", _no_merge):
                 add(f"bf16 baseline {tag}", bf16_baseline, "_bf16_split_kernel",

@@ -34,7 +34,9 @@ Measured in the same run:
 * a tile sweep (block_n x num_warps x num_stages) of the two Triton decodes on
   two cases, and the write kernel's throughput (INT2, and INT4 keys + INT2 values);
 * the hot side pool's update per decode step, recorded in a CUDA graph and eager,
-  and its re-pin kernel against the torch re-pin (``bench_hot_update.py``).
+  and its re-pin kernel against the torch re-pin (``bench_hot_update.py``);
+* prefill attention per layer: a 32k prompt in SGLang's 8k chunks, the INT2 extend kernel (bf16 and
+  fp32 dots, a tile sweep) against SGLang's own Triton extend and SDPA flash (``bench_extend.py``).
 
 Timing: ``triton.testing.do_bench`` (median, ``--warmup``/``--rep`` ms, L2
 flushed between calls), eager launches (no CUDA graphs), so the smallest cases
@@ -84,6 +86,8 @@ def parse_args(argv=None):
     p.add_argument("--flashinfer-on-cpu", action="store_true", help=argparse.SUPPRESS)  # tests: a stand-in module
     p.add_argument("--budget-s", type=float, default=150.0,
                    help="start no new decode case after this many seconds since launch (listed as skipped)")
+    p.add_argument("--extend-budget-s", type=float, default=20.0,
+                   help="the prefill section starts no tile-sweep variant after this many seconds of its own")
     return p.parse_args(argv)
 
 
@@ -108,6 +112,7 @@ from oscar_sglang.kernels.write import triton_kernel as write_tk  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_baselines as bl  # noqa: E402
+import bench_extend  # noqa: E402
 import bench_hot_update  # noqa: E402
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 
@@ -666,6 +671,15 @@ def main() -> int:
         problems.append("hot update benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
         print(traceback.format_exc(), file=sys.stderr)
     meta["hot_update_seconds"] = round(time.time() - t0, 1)
+    t0 = time.time()
+    extend = None
+    try:
+        extend = bench_extend.measure(DEVICE, timed, SMOKE, budget_s=ARGS.extend_budget_s)
+        problems += [f"prefill: {p}" for p in extend["problems"]]
+    except Exception:  # noqa: BLE001
+        problems.append("prefill benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
+        print(traceback.format_exc(), file=sys.stderr)
+    meta["extend_seconds"] = round(time.time() - t0, 1)
     meta["sdpa_refused"] = sdpa.refused
     meta["flashinfer"] = fi.version or "-"
     meta["flashinfer_status"] = (
@@ -678,11 +692,12 @@ def main() -> int:
     meta["seconds"] = round(time.time() - START, 1)
     ARGS.out.mkdir(parents=True, exist_ok=True)
     stem = ARGS.out / ("bench_kernels_cpu_smoke" if SMOKE else "bench_kernels")
+    sections = bench_hot_update.markdown(hot_update) + bench_extend.markdown(extend)
     stem.with_suffix(".md").write_text(markdown(meta, check, copy, decode, skipped, tuning, write, problems)
-                                       + "\n".join(bench_hot_update.markdown(hot_update)) + "\n")
+                                       + "\n".join(sections) + "\n")
     stem.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "check": check, "copy": copy, "decode": decode, "skipped": skipped, "tuning": tuning,
-         "write": write, "hot_update": hot_update, "problems": problems}, indent=1))
+         "write": write, "hot_update": hot_update, "extend": extend, "problems": problems}, indent=1))
     plot(decode, stem.with_suffix(".png"))
     print(f"wrote {stem}.md/.json/.png in {meta['seconds']} s")
     for p in problems:

@@ -3,7 +3,7 @@
 # 5.17, nvcc; no sglang, no network). Build the carry bundle first, here: bash scripts/device/build_bundle.sh
 #
 #   device tool:  run  command="bash scripts/device_check.sh"  carry=["out/device_bundle"]  timeout_s=600
-#   (planned inside DEVICE_LIMIT_S, 590 s: the servers take what the steps before leave, less 150 s kept for the
+#   (planned inside DEVICE_LIMIT_S, 590 s: the servers take what the steps before leave, less 170 s kept for the
 #   kernel benchmark; the calibration step comes last with what is left)
 #   on CPU:       bash scripts/device/dry_run.sh   (a device-like Python 3.12 venv, then this script)
 #
@@ -20,7 +20,8 @@
 #                  8k input, concurrency 1 and the largest each capacity allows: output and decode tok/s, TTFT,
 #                  ITL (scripts/device/serve_bench.py)
 #   bench_kernels  INT2 decode vs the best BF16 decode (Triton split-K, SDPA flash, FlashInfer if there),
-#                  bandwidth as a fraction of the measured copy bandwidth (scripts/bench_kernels.py)
+#                  bandwidth as a fraction of the measured copy bandwidth; prefill attention of a 32k prompt in
+#                  SGLang's 8k chunks, INT2 vs SGLang's Triton extend and SDPA (scripts/bench_kernels.py)
 #   calibration    the calibration pipeline's time and memory for that geometry, random weights built on the
 #                  GPU, 8k tokens of the bundle's text (scripts/device/calibrate_bench.py)
 # Without CUDA (the dry run) the same steps run small: a 4-layer model of the GPU run's head shape (head_dim 128,
@@ -30,7 +31,8 @@
 # them: servers, calibration): a rerun of what failed. Knobs for a short rerun on the warm machine (see docs/GPU.md):
 #   DEVICE_LIMIT_S   the rerun's timeout_s less ~10 s (590 by default): the servers step plans inside it
 #   SERVE_CACHES     the servers to run, of "bf16 oscar-int2" (e.g. only oscar-int2 when BF16's numbers are in)
-#   BENCH_BUDGET_S   the kernel benchmark's time budget (80 s; its step's limit is 50 s more)
+#   BENCH_BUDGET_S   the kernel benchmark's decode budget (80 s; its step's limit is 70 s more: the write,
+#                    hot-update and prefill sections after it, the prefill one capped at 20 s)
 # Without CUDA only: INTERPRETER_PYTHONPATH goes first on the path of the two steps that run Triton's interpreter
 # (kernel_tests, bench_kernels); the dry run puts numpy < 2.3 there, since triton 3.6's interpreter fails on
 # numpy >= 2.4 (a loaded scalar is a 1-element array to it, and int() of one is an error since numpy 2.4).
@@ -135,7 +137,7 @@ if [ "$GPU" = 1 ]; then
     # The servers get what is left of DEVICE_LIMIT_S (the device tool's timeout_s, less a margin), less what the
     # kernel benchmark after them needs: 150-420 s in a whole run, never more than is left in a short rerun.
     # 32k input first: every goal is stated at 32k.
-    reserve=0; wanted bench_kernels && reserve=$(( ${BENCH_BUDGET_S:-80} + 70 ))
+    reserve=0; wanted bench_kernels && reserve=$(( ${BENCH_BUDGET_S:-80} + 90 ))
     GEOM=llama3-8b; SERVE=(--input-lens 32768 8192 --output-len 256 --kv-budget-gib 16 --run-timeout 120
                            --max-concurrency-cap 256)
 else
@@ -170,8 +172,8 @@ if [ "$HAVE_SGLANG" = 1 ] && [ "$HAVE_MODELS" = 1 ]; then
 fi
 
 if [ "$GPU" = 1 ]; then
-    step bench_kernels $(( ${BENCH_BUDGET_S:-80} + 50 )) "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" \
-        --budget-s "${BENCH_BUDGET_S:-80}"
+    step bench_kernels $(( ${BENCH_BUDGET_S:-80} + 70 )) "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" \
+        --budget-s "${BENCH_BUDGET_S:-80}" --extend-budget-s 20
 else
     step bench_kernels 300 "${INTERP[@]}" "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --cpu-smoke
 fi

@@ -196,10 +196,20 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
         assert row["fused_graph_ms"] is None and row["torch_graph_ms"] is None
         assert row["fused_eager_ms"] > 0 and row["torch_eager_ms"] > 0
         assert row["repin_triton_ms"] > 0 and row["repin_torch_ms"] > 0
+    ext = data["extend"]                                # a 96-token prompt in chunks of 32, every kernel ran
+    assert [r["prefix"] for r in ext["rows"]] == [0, 32, 64] and ext["prompt_row"]["tokens"] == 96
+    for row in ext["rows"]:
+        assert row["int2_bf16_ms"] > 0 and row["int2_tf32_ms"] > 0 and row["sdpa_ms"] > 0 and row["sglang_ms"] > 0
+        assert row["smoke_int2_vs_reference"] < 3e-2 and row["smoke_sdpa_vs_fp32"] < 2e-2
+        assert 0 < row["int2_bf16_vs_fp32"] < 3e-2 and row["sglang_vs_sdpa"] < 3e-2
+        assert row["int2_vs_best_bf16"] > 0
+    assert ext["prompt_row"]["GFLOP"] == sum(r["GFLOP"] for r in ext["rows"])
+    assert ext["sglang_note"] is None
     assert (tmp_path / "bench_kernels_cpu_smoke.png").stat().st_size > 0
     md = (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
     assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md and "INT4-K" in md
     assert "## Where the queries are rotated" in md and "## Hot pool update per decode step" in md
+    assert "## Prefill attention per layer" in md and "| all | 96 |" in md
     from oscar_sglang.kernels.decode.triton_kernel import rotates_q_in_kernel
 
     for row in data["decode"]:  # the label is the choice decode_attention made (CPU: 4 "multiprocessors")
@@ -210,3 +220,23 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
     bandwidth, batch1 = goals.kernel_goals(data, long=320)
     assert bandwidth["measured"].count("d128 b") == 2 and "not measured" not in bandwidth["verdict"]
     assert batch1["measured"].startswith("d128 320: ") and "x vs " in batch1["measured"]
+
+
+def test_prefill_section_renders_missing_kernels_and_failures():
+    """The prefill section's table when SGLang's kernel is absent and a chunk failed: n/a, never a crash."""
+    ext = load_script("bench_extend.py")
+    rows = [ext._rates({"prefix": 0, "tokens": 8, "GFLOP": 2.0, "int2_bf16_ms": 1.0, "int2_tf32_ms": 2.0,
+                        "sdpa_ms": 0.5, "int2_bf16_vs_fp32": 1e-3}),
+            ext._rates({"prefix": 8, "tokens": 8, "GFLOP": 4.0, "note": "failed: OutOfMemoryError: x"})]
+    res = {"prompt": 16, "chunk": 8, "kv_heads": 8, "q_heads": 32, "d": 128, "sink": 64, "recent": 256,
+           "layers": 32, "tile": ext.DEFAULT_TILE, "sglang_note": "not available: ImportError: no sglang",
+           "rows": rows, "prompt_row": ext._rates(ext._prompt_sum(rows)),
+           "sweep": [dict(ext.DEFAULT_TILE, block_n=64, int2_bf16_ms=0.8), dict(ext.DEFAULT_TILE, note="budget spent")]}
+    assert rows[0]["int2_bf16_tflops"] == 2.0 and rows[0]["int2_vs_best_bf16"] == 2.0  # 2 GFLOP in 1 ms; vs SDPA
+    assert rows[1]["int2_bf16_tflops"] is None and rows[1]["int2_vs_best_bf16"] is None
+    assert res["prompt_row"]["int2_bf16_ms"] is None and res["prompt_row"]["GFLOP"] == 6.0  # a chunk missing
+    md = "\n".join(ext.markdown(res))
+    assert "SGLang Triton BF16: not available: ImportError" in md and "- prefix 8: failed: OutOfMemoryError" in md
+    assert "| 0 | 8 | 2 | 1.000 | 2.000 | n/a | 0.500 |" in md and "| all | 16 | 6 | n/a |" in md
+    assert "| 64 | 64 | 8 | 2 | 0.800 |" in md and "| 64 | 32 | 8 | 2 | budget spent |" in md
+    assert ext.markdown(None) == []

@@ -25,8 +25,19 @@ import triton.language as tl
 from oscar_sglang.rotation import derotate_output, rotate_kv, rotate_queries
 
 from ..common.triton_helpers import attend_block, attend_stored_block, load_query_pieces, store_pieces
-from ..decode.triton_kernel import DOT_PRECISION, LOG2E, MAX_SPLITS, _processors, merge_splits
+from ..decode.triton_kernel import LOG2E, MAX_SPLITS, _processors, merge_splits
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
+
+# The dots' operands. Prefill attention is compute-bound (every new token
+# against the whole prefix), unlike decode, which reads the cache once and
+# keeps TF32: as in flash attention and SGLang's own Triton extend, queries,
+# keys, softmax weights and values enter the dots as bf16 with fp32
+# accumulation, twice the tensor-core rate of TF32 on sm_80/sm_90. The
+# rounding (2^-9 relative per operand) is far below the INT2 rows' own error
+# and what a BF16 cache holds anyway; the kernel tests bound it against the
+# fp32 reference. "tf32" keeps fp32 operands (the benchmark times both).
+DOT_CHOICES = ("bf16", "tf32")
+DOTS = "bf16"
 
 
 @triton.jit
@@ -55,6 +66,8 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
     rmask = (tok < ext_len) & (hh < GQ)
     qrow = (first + tok) * Q_HEADS + kvh * GQ + hh  # row of q' and of the output
     q0, q1, q2, q3 = load_query_pieces(q_ptr + qrow * D, rmask, D)
+    if PREC == "bf16":  # rounded once here, not in every block's dots
+        q0, q1, q2, q3 = q0.to(tl.bfloat16), q1.to(tl.bfloat16), q2.to(tl.bfloat16), q3.to(tl.bfloat16)
     m = tl.full([BLOCK_M * GQP], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M * GQP], tl.float32)
     a0 = tl.zeros([BLOCK_M * GQP, D // 4], tl.float32)
@@ -110,13 +123,17 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
                      extend_lens: torch.Tensor, sm_scale: float, extend_start_loc: torch.Tensor | None = None,
                      max_extend_len: int | None = None, max_prefix_len: int | None = None,
                      num_splits: int | None = None, block_rows: int = 64, block_n: int = 32,
-                     num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int = 8, num_stages: int = 2, dots: str = DOTS) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.extend.reference.extend_attention`.
 
     ``block_rows`` = new tokens times padded group per program (at least 16).
     ``num_splits`` splits the cached prefix (default: chosen from the grid size and
     ``max_prefix_len``, the longest prefix as the host knows it; 1 without it).
+    ``dots``: ``"bf16"`` (operands rounded to bf16, fp32 accumulation) or
+    ``"tf32"`` (fp32 operands on TF32 tensor cores); see :data:`DOTS`.
     """
+    if dots not in DOT_CHOICES:
+        raise ValueError(f"dots must be one of {DOT_CHOICES}, got {dots!r}")
     n, q_heads, d = q.shape
     kv, kf, vf = store.kv_heads, store.k_format, store.v_format
     gq = q_heads // kv
@@ -149,7 +166,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, mid_lse, req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
         GQ=gq, GQP=gqp, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
-        K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=DOT_PRECISION,
+        K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
         K_SYM=kf.symmetric, V_SYM=vf.symmetric, SPLIT=splits > 1,
         num_warps=num_warps, num_stages=num_stages,
     )
