@@ -140,6 +140,10 @@ def test_the_report_names_the_remedies(tmp_path):
     serve_bench.write_report(results, args, cpu=True)
     md = (tmp_path / "serve_bench.md").read_text()
     assert "| 5.00 | 6.00 | remedies: eager |" in md and "CUDA graphs off (after: capture failed)" in md
+    results[0]["knobs"] = {"OSCAR_SGLANG_EXTEND_KERNEL": "block_rows=128"}
+    serve_bench.write_report(results, args, cpu=True)
+    md = (tmp_path / "serve_bench.md").read_text()
+    assert "| 5.00 | 6.00 | remedies: eager; OSCAR_SGLANG_EXTEND_KERNEL=block_rows=128 |" in md
 
 
 def _serve_main(tmp_path, monkeypatch, fake_bench, *extra, log_text=""):
@@ -346,3 +350,35 @@ def test_the_hot_update_remedy_names_the_backend_method_and_reaches_the_server(t
             serve_bench.serve_and_bench("oscar-int2", args, time.perf_counter() + 60, False, remedies)
         assert seen["env"].get("OSCAR_SGLANG_GRAPH_HOT_UPDATE") == want
         assert "--disable-cuda-graph" not in seen["flags"]
+
+
+def test_an_extend_kernel_knob_set_around_the_script_reaches_the_servers_and_their_numbers(tmp_path, monkeypatch):
+    """A rerun trying a prefill tile (``OSCAR_SGLANG_EXTEND_KERNEL=... bash scripts/device_check.sh``): the
+    variable is in each server's environment, and the results and the report say the numbers are with it."""
+    import contextlib
+    envs = []
+
+    def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
+        return {"wall_s": 1.0, "completed": prompts, "output_throughput": 10.0, "median_ttft_ms": 5.0,
+                "p99_ttft_ms": 6.0, "median_itl_ms": 3.0, "p99_itl_ms": 9.0}
+
+    monkeypatch.setenv("OSCAR_SGLANG_EXTEND_KERNEL", "block_rows=128,block_n=64")
+    # a first run installs the fake server, capacity and bench; the second wraps the fake server to see its env
+    assert _serve_main(tmp_path, monkeypatch, fake_bench, log_text="The server is fired up") == 0
+    real_server = serve_bench.launcher.local_server
+
+    @contextlib.contextmanager
+    def recording_server(model, log, *flags, env, **kw):
+        envs.append(env)
+        with real_server(model, log, *flags, env=env, **kw) as url:
+            yield url
+
+    monkeypatch.setattr(serve_bench.launcher, "local_server", recording_server)
+    assert serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
+                             "--out", str(tmp_path), "--input-lens", "64", "--output-len", "8", "--kv-budget-gib",
+                             "0"]) == 0
+    assert [e["OSCAR_SGLANG_EXTEND_KERNEL"] for e in envs] == ["block_rows=128,block_n=64"] * 2
+    results = json.loads((tmp_path / "serve_bench.json").read_text())["results"]
+    assert [r["knobs"] for r in results] == [{"OSCAR_SGLANG_EXTEND_KERNEL": "block_rows=128,block_n=64"}] * 2
+    assert "| 3.00 | 9.00 | OSCAR_SGLANG_EXTEND_KERNEL=block_rows=128,block_n=64 |" in \
+        (tmp_path / "serve_bench.md").read_text()

@@ -39,3 +39,26 @@ def test_graph_hot_update_knob():
     assert st.graph_hot_update({st.ENV_GRAPH_HOT_UPDATE: "eager"}) == "eager"
     with pytest.raises(st.OscarConfigError, match="expected one of graph, eager"):
         st.graph_hot_update({st.ENV_GRAPH_HOT_UPDATE: "later"})
+
+
+def test_extend_kernel_knob():
+    assert st.extend_kernel_options({}) == {} and st.extend_kernel_options({st.ENV_EXTEND_KERNEL: " "}) == {}
+    assert st.extend_kernel_options({st.ENV_EXTEND_KERNEL: "block_rows=128, block_n=64,num_warps=4,num_stages=3,"
+                                                            "dots=tf32"}) == \
+        {"block_rows": 128, "block_n": 64, "num_warps": 4, "num_stages": 3, "dots": "tf32"}
+    for bad, match in (("block_rows", "KEY=VALUE"), ("tile=64", "KEY=VALUE"),
+                       ("block_n=32,block_n=64", "each key once"), ("block_rows=96", "power of two"), ("num_warps=0", "power of two"),
+                       ("num_stages=-1", "positive integer"), ("dots=fp16", "one of bf16, tf32")):
+        with pytest.raises(st.OscarConfigError, match=match):
+            st.extend_kernel_options({st.ENV_EXTEND_KERNEL: bad})
+
+
+def test_server_env_passes_the_environment_knobs_not_a_launch_s_settings():
+    from oscar_sglang.sglang import launcher
+
+    outer = {st.ENV_ROTATIONS: "/r", st.ENV_SINK: "4", "TRITON_INTERPRET": "1", "PATH": "/bin",
+             st.ENV_EXTEND_KERNEL: "dots=tf32", st.ENV_KV_BUDGET: "1024", st.ENV_GRAPH_HOT_UPDATE: "eager",
+             "OSCAR_SGLANG_CACHE": "/c"}
+    assert launcher.server_env(cpu=True, environ=outer) == {
+        "PATH": "/bin", st.ENV_EXTEND_KERNEL: "dots=tf32", st.ENV_KV_BUDGET: "1024", st.ENV_GRAPH_HOT_UPDATE: "eager",
+        "OSCAR_SGLANG_CACHE": "/c", "SGLANG_USE_CPU_ENGINE": "1"}

@@ -71,7 +71,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from oscar_sglang.kernels import api as kernels
 
 from .pool import OscarInt2Pool
-from .settings import graph_hot_update
+from .settings import extend_kernel_options, graph_hot_update
 
 
 _EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -117,6 +117,7 @@ class OscarInt2AttnBackend(AttentionBackend):
         self._graph_rows: torch.Tensor | None = None      # 0..max_bs-1: the rows of that copy
         self._graph_splits: dict[int, int | None] = {}
         self._hot_in_graph = True                           # the hot pool's update recorded in the graphs
+        self._extend_options = extend_kernel_options()      # OSCAR_SGLANG_EXTEND_KERNEL: tile and dots, if set
 
     # -- per pass -------------------------------------------------------------
 
@@ -259,7 +260,7 @@ class OscarInt2AttnBackend(AttentionBackend):
         o = kernels.extend_attention(q3, k3, v3, store, rot, self.req_to_token, forward_batch.req_pool_indices,
                                      md.prefix_lens, md.extend_lens, layer.scaling,
                                      backend=self.pool.kernel_backend, max_extend_len=md.max_len,
-                                     max_prefix_len=md.max_prefix)
+                                     max_prefix_len=md.max_prefix, **self._extend_options)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

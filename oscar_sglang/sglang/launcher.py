@@ -21,6 +21,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from . import settings
+
 READY_LINE = "The server is fired up"
 START_TIMEOUT_S = 600
 
@@ -54,12 +56,17 @@ def launch_command(model, port: int, *extra: str, cpu: bool | None = None) -> li
     return cmd + list(extra)
 
 
+# Environment-only knobs an operator sets around a script on purpose (the asset cache, the fixed KV budget,
+# the extend kernel's tile, where decode graphs update the hot pool): they reach the server. The other
+# OSCAR_SGLANG_* variables carry a launch's flags to its own subprocesses and must not leak into the next one.
+PASSED_KNOBS = ("OSCAR_SGLANG_CACHE", settings.ENV_KV_BUDGET, settings.ENV_EXTEND_KERNEL, settings.ENV_GRAPH_HOT_UPDATE)
+
+
 def server_env(cpu: bool | None = None, environ=os.environ) -> dict[str, str]:
     """The environment a user's server gets: no oscar settings or Triton interpreter leaking in from ours."""
     cpu = not cuda_visible() if cpu is None else cpu
     env = {k: v for k, v in environ.items()
-           if (not k.startswith("OSCAR_SGLANG_") or k in ("OSCAR_SGLANG_CACHE", "OSCAR_SGLANG_KV_BUDGET_BYTES"))
-           and k != "TRITON_INTERPRET"}
+           if (not k.startswith("OSCAR_SGLANG_") or k in PASSED_KNOBS) and k != "TRITON_INTERPRET"}
     if cpu:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     return env

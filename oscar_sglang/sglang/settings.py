@@ -34,6 +34,14 @@ ENV_KV_BUDGET = "OSCAR_SGLANG_KV_BUDGET_BYTES"
 ENV_GRAPH_HOT_UPDATE = "OSCAR_SGLANG_GRAPH_HOT_UPDATE"
 GRAPH_HOT_UPDATES = ("graph", "eager")
 
+# The prefill (extend) kernel's tile and dots, e.g. "block_rows=128,block_n=64"
+# or "dots=tf32": what the kernel benchmark's prefill sweep found faster on a
+# GPU, tried on the real server without a code change (a rerun on a lent
+# machine); unset = the kernel's defaults.
+ENV_EXTEND_KERNEL = "OSCAR_SGLANG_EXTEND_KERNEL"
+EXTEND_INT_KEYS = ("block_rows", "block_n", "num_warps", "num_stages")
+EXTEND_DOTS = ("bf16", "tf32")
+
 # Concurrent requests whose sink and recent windows the BF16 hot side pool
 # holds (capped by --max-running-requests when that is smaller).
 DEFAULT_HOT_REQUESTS = 32
@@ -161,6 +169,27 @@ def graph_hot_update(environ=os.environ) -> str:
     if value not in GRAPH_HOT_UPDATES:
         raise OscarConfigError(f"{ENV_GRAPH_HOT_UPDATE}={value!r}: expected one of {', '.join(GRAPH_HOT_UPDATES)}")
     return value
+
+
+def extend_kernel_options(environ=os.environ) -> dict:
+    """Keyword arguments for the Triton extend kernel from :data:`ENV_EXTEND_KERNEL` (``{}`` when unset)."""
+    value = environ.get(ENV_EXTEND_KERNEL, "").strip()
+    options: dict = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        key, sep, raw = (x.strip() for x in item.partition("="))
+        if not sep or key not in (*EXTEND_INT_KEYS, "dots") or key in options:
+            raise OscarConfigError(f"{ENV_EXTEND_KERNEL}={value!r}: expected comma-separated KEY=VALUE, each key "
+                                   f"once, of {', '.join((*EXTEND_INT_KEYS, 'dots'))}")
+        if key == "dots":
+            if raw not in EXTEND_DOTS:
+                raise OscarConfigError(f"{ENV_EXTEND_KERNEL}: dots={raw!r}, expected one of {', '.join(EXTEND_DOTS)}")
+            options[key] = raw
+            continue
+        if not raw.isdigit() or int(raw) == 0 or (key != "num_stages" and int(raw) & (int(raw) - 1)):
+            raise OscarConfigError(f"{ENV_EXTEND_KERNEL}: {key}={raw!r}, expected a "
+                                   + ("positive integer" if key == "num_stages" else "power of two"))
+        options[key] = int(raw)
+    return options
 
 
 def kv_budget_bytes(environ=os.environ) -> int | None:

@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 from oscar_sglang.sglang import launcher
-from oscar_sglang.sglang.settings import ENV_GRAPH_HOT_UPDATE, ENV_KV_BUDGET
+from oscar_sglang.sglang.settings import ENV_EXTEND_KERNEL, ENV_GRAPH_HOT_UPDATE, ENV_KV_BUDGET
 
 CACHES = ("bf16", "oscar-int2")
 # sglang/kernels/jit/utils/compile/loader.py's message when the crash flag refuses a JIT build
@@ -215,6 +215,9 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool, remedies=(), l
     res = {"cache": cache, "flags": flags, "runs": []}
     if remedies:
         res["remedies"] = list(remedies)
+    knobs = {k: env[k] for k in (ENV_EXTEND_KERNEL, ENV_GRAPH_HOT_UPDATE) if env.get(k)}
+    if knobs:  # set around the script (a rerun trying a kernel tile) or by a remedy: the numbers are theirs
+        res["knobs"] = knobs
     t0 = time.perf_counter()
     with launcher.local_server(args.model, log, *flags, cpu=cpu, env=env,
                                timeout_s=max(30.0, deadline - time.perf_counter())) as url:
@@ -293,6 +296,12 @@ def serve_with_remedies(cache: str, args, deadline: float, cpu: bool, sticky: li
     return res
 
 
+def _setup_note(r: dict) -> str:
+    """What a server ran with beyond the plain flags: its remedies and environment knobs."""
+    return "; ".join((["remedies: " + ", ".join(r["remedies"])] if r.get("remedies") else [])
+                     + [f"{k}={v}" for k, v in r.get("knobs", {}).items()])
+
+
 def write_report(results: list[dict], args, cpu: bool) -> None:
     import torch
 
@@ -329,7 +338,7 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
                              f"{run['output_throughput']:.1f} | {_num(decode_rate(run), '.0f')} | {_server_rate(run)} | "
                              f"{run['median_ttft_ms']:.0f} | {run['p99_ttft_ms']:.0f} | "
                              f"{run['median_itl_ms']:.2f} | {run['p99_itl_ms']:.2f} | "
-                             f"{'remedies: ' + ', '.join(r['remedies']) if r.get('remedies') else ''} |")
+                             f"{_setup_note(r)} |")
             else:
                 note = (run.get("skipped") or run.get("error", "")).replace("\n", " ").replace("|", "/")[:160]
                 lines.append(f"| {r['cache']} | {run['input_len']} | {run['concurrency']} | - | - | {_server_rate(run)} | - | - | "
