@@ -656,30 +656,6 @@ def main() -> int:
     finally:
         fi.close()
     meta["decode_seconds"] = round(time.time() - t0, 1)
-    t0 = time.time()
-    try:
-        write += bench_write()
-    except Exception:  # noqa: BLE001
-        problems.append("write benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
-        print(traceback.format_exc(), file=sys.stderr)
-    meta["write_seconds"] = round(time.time() - t0, 1)
-    t0 = time.time()
-    hot_update = []
-    try:
-        hot_update += bench_hot_update.measure(DEVICE, timed, SMOKE)
-    except Exception:  # noqa: BLE001
-        problems.append("hot update benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
-        print(traceback.format_exc(), file=sys.stderr)
-    meta["hot_update_seconds"] = round(time.time() - t0, 1)
-    t0 = time.time()
-    extend = None
-    try:
-        extend = bench_extend.measure(DEVICE, timed, SMOKE, budget_s=ARGS.extend_budget_s)
-        problems += [f"prefill: {p}" for p in extend["problems"]]
-    except Exception:  # noqa: BLE001
-        problems.append("prefill benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
-        print(traceback.format_exc(), file=sys.stderr)
-    meta["extend_seconds"] = round(time.time() - t0, 1)
     meta["sdpa_refused"] = sdpa.refused
     meta["flashinfer"] = fi.version or "-"
     meta["flashinfer_status"] = (
@@ -689,16 +665,55 @@ def main() -> int:
                   + [f"d={d}: {r}" for d, r in fi.reason.items()]) or "not needed")
     meta["flashinfer_warmup_s"] = fi.warmup_s
     meta["flashinfer_warmup_log"] = fi.warmup_log
-    meta["seconds"] = round(time.time() - START, 1)
     ARGS.out.mkdir(parents=True, exist_ok=True)
     stem = ARGS.out / ("bench_kernels_cpu_smoke" if SMOKE else "bench_kernels")
-    sections = bench_hot_update.markdown(hot_update) + bench_extend.markdown(extend)
-    stem.with_suffix(".md").write_text(markdown(meta, check, copy, decode, skipped, tuning, write, problems)
-                                       + "\n".join(sections) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "check": check, "copy": copy, "decode": decode, "skipped": skipped, "tuning": tuning,
-         "write": write, "hot_update": hot_update, "extend": extend, "problems": problems}, indent=1))
+    hot_update, extend = [], None
+    to_come = ["write", "hot_update", "extend"]
+
+    def save() -> None:
+        """The report as it stands: written after every section, so a step cut by its time limit keeps the
+        sections done (the decode goals first)."""
+        meta["seconds"] = round(time.time() - START, 1)
+        meta["sections_to_come"] = list(to_come)
+        sections = bench_hot_update.markdown(hot_update) + bench_extend.markdown(extend)
+        if to_come:
+            sections += ["", f"**Written before the sections {', '.join(to_come)} ran ({meta['seconds']} s in).**"]
+        stem.with_suffix(".md").write_text(markdown(meta, check, copy, decode, skipped, tuning, write, problems)
+                                           + "\n".join(sections) + "\n")
+        stem.with_suffix(".json").write_text(json.dumps(
+            {"meta": meta, "check": check, "copy": copy, "decode": decode, "skipped": skipped, "tuning": tuning,
+             "write": write, "hot_update": hot_update, "extend": extend, "problems": problems}, indent=1))
+
+    save()
     plot(decode, stem.with_suffix(".png"))
+    t0 = time.time()
+    try:
+        write += bench_write()
+    except Exception:  # noqa: BLE001
+        problems.append("write benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
+        print(traceback.format_exc(), file=sys.stderr)
+    meta["write_seconds"] = round(time.time() - t0, 1)
+    to_come.remove("write")
+    save()
+    t0 = time.time()
+    try:
+        hot_update += bench_hot_update.measure(DEVICE, timed, SMOKE)
+    except Exception:  # noqa: BLE001
+        problems.append("hot update benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
+        print(traceback.format_exc(), file=sys.stderr)
+    meta["hot_update_seconds"] = round(time.time() - t0, 1)
+    to_come.remove("hot_update")
+    save()
+    t0 = time.time()
+    try:
+        extend = bench_extend.measure(DEVICE, timed, SMOKE, budget_s=ARGS.extend_budget_s)
+        problems += [f"prefill: {p}" for p in extend["problems"]]
+    except Exception:  # noqa: BLE001
+        problems.append("prefill benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
+        print(traceback.format_exc(), file=sys.stderr)
+    meta["extend_seconds"] = round(time.time() - t0, 1)
+    to_come.remove("extend")
+    save()
     print(f"wrote {stem}.md/.json/.png in {meta['seconds']} s")
     for p in problems:
         print("PROBLEM:", p, file=sys.stderr)

@@ -210,6 +210,7 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
     assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md and "INT4-K" in md
     assert "## Where the queries are rotated" in md and "## Hot pool update per decode step" in md
     assert "## Prefill attention per layer" in md and "| all | 96 |" in md
+    assert data["meta"]["sections_to_come"] == [] and "Written before the sections" not in md  # the final save
     from oscar_sglang.kernels.decode.triton_kernel import rotates_q_in_kernel
 
     for row in data["decode"]:  # the label is the choice decode_attention made (CPU: 4 "multiprocessors")
