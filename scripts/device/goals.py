@@ -151,6 +151,31 @@ def markdown(goals: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prefill_line(kernels: dict | None) -> str:
+    """Not a goal, but what decides the INT2 server's TTFT and whether its 32k wave fits the servers step (and
+    the rerun with ``OSCAR_SGLANG_EXTEND_KERNEL``): the benchmark's prefill section in one line, or ''."""
+    ext = (kernels or {}).get("extend") or {}
+    row = ext.get("prompt_row")
+    if not row:
+        return ""
+
+    def ms(key):
+        return "n/a" if row.get(key) is None else f"{row[key]:.1f} ms"
+
+    ratio = row.get("int2_vs_best_bf16")
+    line = (f"prefill (not a goal): a {ext['prompt']}-token prompt in chunks of {ext['chunk']}, one layer: INT2 "
+            f"{ms('int2_bf16_ms')} (fp32 dots {ms('int2_tf32_ms')}), SGLang Triton BF16 {ms('sglang_ms')}, SDPA "
+            f"{ms('sdpa_ms')}; INT2 / best BF16 {'n/a' if ratio is None else f'{ratio:.2f}'}")
+    last = (ext.get("rows") or [{}])[-1].get("int2_bf16_ms")
+    swept = [t for t in ext.get("sweep", []) if t.get("int2_bf16_ms") is not None]
+    if swept and last:
+        best = min(swept, key=lambda t: t["int2_bf16_ms"])
+        tile = ",".join(f"{k}={best[k]}" for k in ("block_rows", "block_n", "num_warps", "num_stages"))
+        line += (f"; fastest swept tile on the last chunk: {best['int2_bf16_ms']:.2f} ms vs the default's "
+                 f"{last:.2f} ms (OSCAR_SGLANG_EXTEND_KERNEL={tile})")
+    return line + "\n"
+
+
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -164,6 +189,8 @@ def goal_table(runs: list[tuple[str, Path]]) -> str:
     kernels = next((k for k in (_read(d / "bench_kernels.json") for _, d in reversed(runs)) if k), None)
     serve, source = merge_serve([(name, _read(d / "serve_bench.json")) for name, d in runs])
     table = markdown(kernel_goals(kernels) + server_goals(serve))
+    if prefill_line(kernels):
+        table += "\n" + prefill_line(kernels)
     if len(set(source.values())) > 1:
         table += "\nserver results from: " + "; ".join(f"{c}: {src}" for c, src in sorted(source.items())) + "\n"
     return table
