@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -236,11 +237,14 @@ sys.exit(serve_bench.main(["--model", str(out), "--rotations", str(out), "--data
 def test_each_server_gets_a_share_and_its_largest_run_all_of_it(tmp_path, monkeypatch):
     """BF16 first may use half of the time limit (a slow baseline cannot starve the INT2 server), the last server
     all that is left; a concurrency-1 run is bounded by --run-timeout, a largest-concurrency run only by its
-    server's share."""
-    timeouts = []
+    server's share. On serve_bench's own clock, which only the fake runs move (10 s each): the shares are
+    exact, however slow the machine running the test."""
+    timeouts, now = [], [1000.0]
+    monkeypatch.setattr(serve_bench, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
         timeouts.append((conc, timeout))
+        now[0] += 10.0
         return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_itl_ms": 4.0,
                 "p99_itl_ms": 5.0}
 
@@ -248,8 +252,8 @@ def test_each_server_gets_a_share_and_its_largest_run_all_of_it(tmp_path, monkey
     assert rc == 0 and [c for c, _ in timeouts] == [1, 3, 1, 3]
     (_, b1), (_, b3), (_, i1), (_, i3) = timeouts
     assert b1 == 20 and i1 == 20  # --run-timeout
-    assert 43 <= b3 <= 45  # half of 100 s, less 5
-    assert 93 <= i3 <= 95  # the rest, less 5
+    assert b3 == 50 - 10 - 5      # half of 100 s, less its first run, less 5
+    assert i3 == 100 - 30 - 5     # the rest after three runs, less 5
     report = json.loads((tmp_path / "serve_bench.json").read_text())
     assert [r["decode_tok_s"] for res in report["results"] for r in res["runs"]] == [250.0, 750.0, 250.0, 750.0]
 
