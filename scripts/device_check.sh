@@ -126,7 +126,10 @@ XDIST=()
 # The steps that run Triton's interpreter where there is no GPU, with INTERPRETER_PYTHONPATH first (see the top).
 INTERP=()
 [ "$GPU" = 1 ] || [ -z "${INTERPRETER_PYTHONPATH:-}" ] || INTERP=(env "PYTHONPATH=$INTERPRETER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}")
-step kernel_tests $([ "$GPU" = 1 ] && echo 150 || echo 600) "${INTERP[@]}" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" \
+# -v: one line per finished test, so a step cut by its limit still names what passed and what failed;
+# --durations: which tests' compiles take the time, for planning the next run.
+step kernel_tests $([ "$GPU" = 1 ] && echo 150 || echo 600) "${INTERP[@]}" "$PY" -m pytest -v -rfE --durations=15 \
+    -p no:cacheprovider "${XDIST[@]}" \
     --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
     "$ROOT"/tests/test_kernels_extend.py "$ROOT"/tests/test_kernels_repin.py "$ROOT"/tests/test_kernels_hot_pass.py \
     "$ROOT"/tests/test_hot_plan.py \
