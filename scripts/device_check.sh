@@ -128,7 +128,7 @@ INTERP=()
 [ "$GPU" = 1 ] || [ -z "${INTERPRETER_PYTHONPATH:-}" ] || INTERP=(env "PYTHONPATH=$INTERPRETER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}")
 # -v: one line per finished test, so a step cut by its limit still names what passed and what failed;
 # --durations: which tests' compiles take the time, for planning the next run.
-step kernel_tests $([ "$GPU" = 1 ] && echo 150 || echo 600) "${INTERP[@]}" "$PY" -m pytest -v -rfE --durations=15 \
+step kernel_tests $([ "$GPU" = 1 ] && echo 150 || echo 900) "${INTERP[@]}" "$PY" -m pytest -v -rfE --durations=15 \
     -p no:cacheprovider "${XDIST[@]}" \
     --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
     "$ROOT"/tests/test_kernels_extend.py "$ROOT"/tests/test_kernels_repin.py "$ROOT"/tests/test_kernels_hot_pass.py \
@@ -178,7 +178,7 @@ if [ "$GPU" = 1 ]; then
     step bench_kernels $(( ${BENCH_BUDGET_S:-80} + 70 )) "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" \
         --budget-s "${BENCH_BUDGET_S:-80}" --extend-budget-s 20
 else
-    step bench_kernels 300 "${INTERP[@]}" "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --cpu-smoke
+    step bench_kernels 450 "${INTERP[@]}" "$PY" "$ROOT/scripts/bench_kernels.py" --out "$RES" --cpu-smoke
 fi
 # The issue's four goals judged from the reports (measured value, goal, met or not): into the summary.
 { echo "== goals (scripts/device/goals.py)"; "$PY" "$ROOT/scripts/device/goals.py" "$RES" 2>&1; } | tee -a "$RES/summary.txt"
