@@ -686,34 +686,27 @@ def main() -> int:
 
     save()
     plot(decode, stem.with_suffix(".png"))
-    t0 = time.time()
-    try:
-        write += bench_write()
-    except Exception:  # noqa: BLE001
-        problems.append("write benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
-        print(traceback.format_exc(), file=sys.stderr)
-    meta["write_seconds"] = round(time.time() - t0, 1)
-    to_come.remove("write")
-    save()
-    t0 = time.time()
-    try:
-        hot_update += bench_hot_update.measure(DEVICE, timed, SMOKE)
-    except Exception:  # noqa: BLE001
-        problems.append("hot update benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
-        print(traceback.format_exc(), file=sys.stderr)
-    meta["hot_update_seconds"] = round(time.time() - t0, 1)
-    to_come.remove("hot_update")
-    save()
-    t0 = time.time()
-    try:
+
+    def section(name: str, label: str, run) -> None:
+        """One section after the decode goals: timed, a crash kept as a problem, the report saved after it."""
+        t0 = time.time()
+        try:
+            run()
+        except Exception:  # noqa: BLE001
+            problems.append(f"{label} benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
+            print(traceback.format_exc(), file=sys.stderr)
+        meta[f"{name}_seconds"] = round(time.time() - t0, 1)
+        to_come.remove(name)
+        save()
+
+    def run_extend() -> None:
+        nonlocal extend
         extend = bench_extend.measure(DEVICE, timed, SMOKE, budget_s=ARGS.extend_budget_s)
-        problems += [f"prefill: {p}" for p in extend["problems"]]
-    except Exception:  # noqa: BLE001
-        problems.append("prefill benchmark crashed: " + traceback.format_exc(limit=4).replace("\n", " | "))
-        print(traceback.format_exc(), file=sys.stderr)
-    meta["extend_seconds"] = round(time.time() - t0, 1)
-    to_come.remove("extend")
-    save()
+        problems.extend(f"prefill: {p}" for p in extend["problems"])
+
+    section("write", "write", lambda: write.extend(bench_write()))
+    section("hot_update", "hot update", lambda: hot_update.extend(bench_hot_update.measure(DEVICE, timed, SMOKE)))
+    section("extend", "prefill", run_extend)
     print(f"wrote {stem}.md/.json/.png in {meta['seconds']} s")
     for p in problems:
         print("PROBLEM:", p, file=sys.stderr)
