@@ -189,8 +189,9 @@ def goal_table(runs: list[tuple[str, Path]]) -> str:
     kernels = next((k for k in (_read(d / "bench_kernels.json") for _, d in reversed(runs)) if k), None)
     serve, source = merge_serve([(name, _read(d / "serve_bench.json")) for name, d in runs])
     table = markdown(kernel_goals(kernels) + server_goals(serve))
-    if prefill_line(kernels):
-        table += "\n" + prefill_line(kernels)
+    prefill = prefill_line(kernels)
+    if prefill:
+        table += "\n" + prefill
     if len(set(source.values())) > 1:
         table += "\nserver results from: " + "; ".join(f"{c}: {src}" for c, src in sorted(source.items())) + "\n"
     return table
