@@ -53,6 +53,18 @@ def test_extend_kernel_knob():
             st.extend_kernel_options({st.ENV_EXTEND_KERNEL: bad})
 
 
+def test_extend_knob_keys_are_the_kernel_s_own():
+    # settings keeps its own copy of the choices (it is imported before any
+    # kernel, and a CPU server never imports Triton); this pins the two together.
+    import inspect
+
+    from oscar_sglang.kernels.extend import triton_kernel
+
+    params = inspect.signature(triton_kernel.extend_attention).parameters
+    assert st.EXTEND_DOTS == triton_kernel.DOT_CHOICES and triton_kernel.DOTS in st.EXTEND_DOTS
+    assert all(isinstance(params[key].default, int) for key in st.EXTEND_INT_KEYS)
+
+
 def test_server_env_passes_the_environment_knobs_not_a_launch_s_settings():
     from oscar_sglang.sglang import launcher
 

@@ -40,7 +40,7 @@ GRAPH_HOT_UPDATES = ("graph", "eager")
 # machine); unset = the kernel's defaults.
 ENV_EXTEND_KERNEL = "OSCAR_SGLANG_EXTEND_KERNEL"
 EXTEND_INT_KEYS = ("block_rows", "block_n", "num_warps", "num_stages")
-EXTEND_DOTS = ("bf16", "tf32")
+EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (not imported: no Triton here; a test pins them)
 
 # Concurrent requests whose sink and recent windows the BF16 hot side pool
 # holds (capped by --max-running-requests when that is smaller).
