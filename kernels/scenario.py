@@ -108,3 +108,20 @@ def random_kv(n: int, kv_heads: int, head_dim: int, seed: int = 0, device: torch
     k = torch.randn(n, kv_heads, head_dim, generator=g) * spread + 1.5
     v = torch.randn(n, kv_heads, head_dim, generator=g)
     return k.to(device, dtype), v.to(device, dtype)
+
+
+def capture_graph(record, pool=None):
+    """``record()`` captured in a CUDA graph as SGLang's graph runner does: two warm-up calls on a side stream
+    (they compile the kernels and settle the allocator), then the recording; returns ``(graph, its outputs)``.
+
+    ``pool``: a graph memory pool shared with other graphs (``torch.cuda.graph_pool_handle()``).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        record(), record()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = record()
+    return graph, outputs

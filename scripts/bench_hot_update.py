@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from oscar_sglang.kernels.repin import reference as repin_ref
+from oscar_sglang.kernels.scenario import capture_graph
 from oscar_sglang.sglang import sizing
 from oscar_sglang.sglang.hot import HotSet
 
@@ -93,14 +94,7 @@ def measure(device, timed, smoke: bool, rows: int = 4096, context: int = 4096,
 
 def _graph_ms(step, timed) -> float:
     """``step`` recorded in a CUDA graph (after two warm-ups on a side stream, as SGLang captures) and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step(), step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     return timed(graph.replay)
 
 

@@ -37,6 +37,7 @@ from hot_reference import RefHotSet, ref_window_plan
 from kernel_device import DEVICE  # noqa: F401  (enables the interpreter on CPU: the re-pin's Triton kernel)
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from oscar_sglang.kernels.scenario import capture_graph
 from oscar_sglang.sglang.hot import HotSet, window_plan
 
 aten = torch.ops.aten
@@ -335,14 +336,7 @@ def test_begin_pass_records_in_a_cuda_graph_with_padded_rows():
         hot_buf.copy_(graph_hs.begin_pass(loc_buf, rows_buf, seq_buf - 1, seq_buf, r2t, decode=True,
                                           live=loc_buf != 0))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                                    # warm-ups, as SGLang's runner does
-        recorded(), recorded()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        recorded()
+    graph, _ = capture_graph(recorded)                               # after warm-ups, as SGLang's runner does
     assert graph_hs.clock == 0                                       # padded-only passes are no passes
     replays = 0
     for step in range(120):

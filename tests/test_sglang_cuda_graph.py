@@ -52,6 +52,7 @@ if not torch.cuda.is_available():                 # SGLang's CPU platform; on a 
 pytest.importorskip("sglang")
 
 from kernel_device import DEVICE  # noqa: E402  (enables the interpreter on CPU)
+from oscar_sglang.kernels.scenario import capture_graph  # noqa: E402
 from test_hot_plan import NoHostSync  # noqa: E402
 from test_sglang_backend import D, KVH, LAYERS, QH, RECENT, SINK  # noqa: E402,F401
 from test_sglang_backend import _backend as backend_over_pool  # noqa: E402
@@ -133,14 +134,7 @@ class _GraphRunner:
             if not real:
                 recorded()                                                  # the capture's warm-up forward
             else:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):                               # warm-ups (compiles the kernels)
-                    recorded(), recorded()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outs = recorded()
+                graph, outs = capture_graph(recorded, pool)                 # after warm-ups, as SGLang captures
                 self.cuda_graphs[bs] = (graph, qkv, outs)
             self.graphs[bs] = (fb, md)
 
