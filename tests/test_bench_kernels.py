@@ -221,6 +221,7 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
     bandwidth, batch1 = goals.kernel_goals(data, long=320)
     assert bandwidth["measured"].count("d128 b") == 2 and "not measured" not in bandwidth["verdict"]
     assert batch1["measured"].startswith("d128 320: ") and "x vs " in batch1["measured"]
+    assert goals.decode_tile_line(data).startswith("decode tiles (not a goal): ")  # the sweep's rows, as written
 
 
 def test_prefill_section_renders_missing_kernels_and_failures():

@@ -18,6 +18,7 @@ each layer in different formats: INT4, INT8, INT2 with small groups).
 """
 
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -209,27 +210,33 @@ def test_backend_triton_and_torch_paths_agree_with_dense_attention(formats):
         assert hot[want].all(), row
 
 
-def test_extend_kernel_options_reach_the_kernel(monkeypatch):
-    # OSCAR_SGLANG_EXTEND_KERNEL (a tile and the dots a GPU benchmark found faster) reaches every extend call
-    # of the Triton path, and its outputs still agree with dense attention; the torch path takes no tuning.
+@pytest.mark.parametrize("kernel, env, knob, want, bad, refusal", [
+    ("extend_attention", "OSCAR_SGLANG_EXTEND_KERNEL", "dots=tf32, block_rows=32,block_n=16",
+     {"dots": "tf32", "block_rows": 32, "block_n": 16}, "dots=fp8", "dots='fp8', expected one of bf16, tf32"),
+    ("decode_attention", "OSCAR_SGLANG_DECODE_KERNEL", "block_n=16,num_warps=2, num_stages=1",
+     {"block_n": 16, "num_warps": 2, "num_stages": 1}, "block_n=8", "block_n='8', expected a power of two >= 16"),
+])
+def test_kernel_tile_knobs_reach_the_kernels(monkeypatch, kernel, env, knob, want, bad, refusal):
+    # OSCAR_SGLANG_EXTEND_KERNEL / _DECODE_KERNEL (a tile, and the dots, a GPU benchmark found faster) reach
+    # every call of that kernel on the Triton path, beside the backend's own arguments, and its outputs still
+    # agree with dense attention; a bad value stops the backend at its start; the torch path takes no tuning.
     from oscar_sglang.kernels import api
-    from oscar_sglang.sglang.settings import ENV_EXTEND_KERNEL
 
     seen = []
-    real = api.extend_attention
+    real = getattr(api, kernel)
 
     def spy(*args, **kwargs):
-        seen.append({k: kwargs.get(k) for k in ("dots", "block_rows", "block_n")})
+        seen.append(({k: kwargs.get(k) for k in want}, "max_seq_len" in kwargs or "num_splits" in kwargs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api, "extend_attention", spy)
-    monkeypatch.setenv(ENV_EXTEND_KERNEL, "dots=tf32, block_rows=32,block_n=16")
+    monkeypatch.setattr(api, kernel, spy)
+    monkeypatch.setenv(env, knob)
     _, dense, _ = _run("triton")
-    assert seen and all(s == {"dots": "tf32", "block_rows": 32, "block_n": 16} for s in seen)
+    assert seen and all(s == (want, kernel == "decode_attention") for s in seen)
     for o, ref in dense:
         torch.testing.assert_close(o, ref, atol=2e-2, rtol=2e-2)
-    monkeypatch.setenv(ENV_EXTEND_KERNEL, "dots=fp8")
-    with pytest.raises(ValueError, match="dots='fp8', expected one of bf16, tf32"):
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ValueError, match=re.escape(refusal)):
         _backend("triton")
 
 

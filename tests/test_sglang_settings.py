@@ -53,24 +53,39 @@ def test_extend_kernel_knob():
             st.extend_kernel_options({st.ENV_EXTEND_KERNEL: bad})
 
 
-def test_extend_knob_keys_are_the_kernel_s_own():
-    # settings keeps its own copy of the choices (it is imported before any
-    # kernel, and a CPU server never imports Triton); this pins the two together.
+def test_decode_kernel_knob():
+    assert st.decode_kernel_options({}) == {}
+    assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "block_n=64,num_warps=8, num_stages=3"}) == \
+        {"block_n": 64, "num_warps": 8, "num_stages": 3}
+    for bad, match in (("block_rows=64", "KEY=VALUE, each key once, of block_n, num_warps, num_stages$"),
+                       ("dots=tf32", "of block_n, num_warps, num_stages$"), ("block_n=8", "power of two >= 16"),
+                       ("block_n=48", "power of two >= 16"), ("num_warps=3", "power of two")):
+        with pytest.raises(st.OscarConfigError, match=match):
+            st.decode_kernel_options({st.ENV_DECODE_KERNEL: bad})
+
+
+def test_kernel_knob_keys_are_the_kernels_own():
+    # settings keeps its own copy of the keys and choices (it is imported before any
+    # kernel, and a CPU server never imports Triton); this pins them to the kernels'.
     import inspect
 
+    from oscar_sglang.kernels.decode import triton_kernel as decode_kernel
     from oscar_sglang.kernels.extend import triton_kernel
 
     params = inspect.signature(triton_kernel.extend_attention).parameters
     assert st.EXTEND_DOTS == triton_kernel.DOT_CHOICES and triton_kernel.DOTS in st.EXTEND_DOTS
     assert all(isinstance(params[key].default, int) for key in st.EXTEND_INT_KEYS)
+    params = inspect.signature(decode_kernel.decode_attention).parameters
+    assert all(isinstance(params[key].default, int) for key in st.DECODE_INT_KEYS)
 
 
 def test_server_env_passes_the_environment_knobs_not_a_launch_s_settings():
     from oscar_sglang.sglang import launcher
 
     outer = {st.ENV_ROTATIONS: "/r", st.ENV_SINK: "4", "TRITON_INTERPRET": "1", "PATH": "/bin",
-             st.ENV_EXTEND_KERNEL: "dots=tf32", st.ENV_KV_BUDGET: "1024", st.ENV_GRAPH_HOT_UPDATE: "eager",
-             "OSCAR_SGLANG_CACHE": "/c"}
+             st.ENV_EXTEND_KERNEL: "dots=tf32", st.ENV_DECODE_KERNEL: "block_n=64", st.ENV_KV_BUDGET: "1024",
+             st.ENV_GRAPH_HOT_UPDATE: "eager", "OSCAR_SGLANG_CACHE": "/c"}
     assert launcher.server_env(cpu=True, environ=outer) == {
-        "PATH": "/bin", st.ENV_EXTEND_KERNEL: "dots=tf32", st.ENV_KV_BUDGET: "1024", st.ENV_GRAPH_HOT_UPDATE: "eager",
-        "OSCAR_SGLANG_CACHE": "/c", "SGLANG_USE_CPU_ENGINE": "1"}
+        "PATH": "/bin", st.ENV_EXTEND_KERNEL: "dots=tf32", st.ENV_DECODE_KERNEL: "block_n=64",
+        st.ENV_KV_BUDGET: "1024", st.ENV_GRAPH_HOT_UPDATE: "eager", "OSCAR_SGLANG_CACHE": "/c",
+        "SGLANG_USE_CPU_ENGINE": "1"}

@@ -71,7 +71,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from oscar_sglang.kernels import api as kernels
 
 from .pool import OscarInt2Pool
-from .settings import extend_kernel_options, graph_hot_update
+from .settings import decode_kernel_options, extend_kernel_options, graph_hot_update
 
 
 _EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -118,6 +118,7 @@ class OscarInt2AttnBackend(AttentionBackend):
         self._graph_splits: dict[int, int | None] = {}
         self._hot_in_graph = True                           # the hot pool's update recorded in the graphs
         self._extend_options = extend_kernel_options()      # OSCAR_SGLANG_EXTEND_KERNEL: tile and dots, if set
+        self._decode_options = decode_kernel_options()      # OSCAR_SGLANG_DECODE_KERNEL: tile, if set
 
     # -- per pass -------------------------------------------------------------
 
@@ -244,8 +245,9 @@ class OscarInt2AttnBackend(AttentionBackend):
             if self._uses_triton():
                 from oscar_sglang.kernels.decode.triton_kernel import choose_splits
 
+                block_n = {k: v for k, v in self._decode_options.items() if k == "block_n"}   # the knob's, if set
                 splits = choose_splits(bs, self.pool.head_num, torch.device(self.device),
-                                       max_seq_len=self.req_to_token.shape[1])
+                                       max_seq_len=self.req_to_token.shape[1], **block_n)
             self._graph_splits[bs] = splits
         return self._graph_splits[bs]
 
@@ -273,7 +275,7 @@ class OscarInt2AttnBackend(AttentionBackend):
         pages, rows = ((self.req_to_token, forward_batch.req_pool_indices) if md.pages is None
                        else (md.pages, md.page_rows))
         o = kernels.decode_attention(q3, store, rot, pages, rows, forward_batch.seq_lens, layer.scaling,
-                                     backend=self.pool.kernel_backend, **tuning)
+                                     backend=self.pool.kernel_backend, **tuning, **self._decode_options)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def support_triton(self):

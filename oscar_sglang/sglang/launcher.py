@@ -57,9 +57,10 @@ def launch_command(model, port: int, *extra: str, cpu: bool | None = None) -> li
 
 
 # Environment-only knobs an operator sets around a script on purpose (the asset cache, the fixed KV budget,
-# the extend kernel's tile, where decode graphs update the hot pool): they reach the server. The other
+# the extend and decode kernels' tiles, where decode graphs update the hot pool): they reach the server. The other
 # OSCAR_SGLANG_* variables carry a launch's flags to its own subprocesses and must not leak into the next one.
-PASSED_KNOBS = ("OSCAR_SGLANG_CACHE", settings.ENV_KV_BUDGET, settings.ENV_EXTEND_KERNEL, settings.ENV_GRAPH_HOT_UPDATE)
+PASSED_KNOBS = ("OSCAR_SGLANG_CACHE", settings.ENV_KV_BUDGET, settings.ENV_EXTEND_KERNEL, settings.ENV_DECODE_KERNEL,
+                settings.ENV_GRAPH_HOT_UPDATE)
 
 
 def server_env(cpu: bool | None = None, environ=os.environ) -> dict[str, str]:

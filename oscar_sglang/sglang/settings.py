@@ -40,6 +40,11 @@ GRAPH_HOT_UPDATES = ("graph", "eager")
 # machine); unset = the kernel's defaults.
 ENV_EXTEND_KERNEL = "OSCAR_SGLANG_EXTEND_KERNEL"
 EXTEND_INT_KEYS = ("block_rows", "block_n", "num_warps", "num_stages")
+# The decode kernel's tile, e.g. "block_n=64,num_warps=8": what the kernel
+# benchmark's decode tile sweep found faster on a GPU (goals.py's "decode
+# tiles" line), tried on the real server the same way; unset = the defaults.
+ENV_DECODE_KERNEL = "OSCAR_SGLANG_DECODE_KERNEL"
+DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages")
 EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (not imported: no Triton here; a test pins them)
 
 # Concurrent requests whose sink and recent windows the BF16 hot side pool
@@ -173,22 +178,38 @@ def graph_hot_update(environ=os.environ) -> str:
 
 def extend_kernel_options(environ=os.environ) -> dict:
     """Keyword arguments for the Triton extend kernel from :data:`ENV_EXTEND_KERNEL` (``{}`` when unset)."""
-    value = environ.get(ENV_EXTEND_KERNEL, "").strip()
+    return _kernel_options(environ, ENV_EXTEND_KERNEL, EXTEND_INT_KEYS, EXTEND_DOTS)
+
+
+def decode_kernel_options(environ=os.environ) -> dict:
+    """Keyword arguments for the Triton decode kernel from :data:`ENV_DECODE_KERNEL` (``{}`` when unset)."""
+    return _kernel_options(environ, ENV_DECODE_KERNEL, DECODE_INT_KEYS, ())
+
+
+def _kernel_options(environ, name: str, int_keys: tuple, dots: tuple) -> dict:
+    """``KEY=VALUE,...`` of a kernel knob: integer tile keys (powers of two; ``block_n``, a dot's inner size,
+    at least 16; ``num_stages`` any positive integer) and, where the kernel has the choice, ``dots``."""
+    value = environ.get(name, "").strip()
+    keys = (*int_keys, "dots") if dots else int_keys
     options: dict = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, sep, raw = (x.strip() for x in item.partition("="))
-        if not sep or key not in (*EXTEND_INT_KEYS, "dots") or key in options:
-            raise OscarConfigError(f"{ENV_EXTEND_KERNEL}={value!r}: expected comma-separated KEY=VALUE, each key "
-                                   f"once, of {', '.join((*EXTEND_INT_KEYS, 'dots'))}")
+        if not sep or key not in keys or key in options:
+            raise OscarConfigError(f"{name}={value!r}: expected comma-separated KEY=VALUE, each key "
+                                   f"once, of {', '.join(keys)}")
         if key == "dots":
-            if raw not in EXTEND_DOTS:
-                raise OscarConfigError(f"{ENV_EXTEND_KERNEL}: dots={raw!r}, expected one of {', '.join(EXTEND_DOTS)}")
+            if raw not in dots:
+                raise OscarConfigError(f"{name}: dots={raw!r}, expected one of {', '.join(dots)}")
             options[key] = raw
             continue
-        if not raw.isdigit() or int(raw) == 0 or (key != "num_stages" and int(raw) & (int(raw) - 1)):
-            raise OscarConfigError(f"{ENV_EXTEND_KERNEL}: {key}={raw!r}, expected a "
-                                   + ("positive integer" if key == "num_stages" else "power of two"))
-        options[key] = int(raw)
+        n = int(raw) if raw.isdigit() else 0
+        if key == "num_stages":
+            if n == 0:
+                raise OscarConfigError(f"{name}: {key}={raw!r}, expected a positive integer")
+        elif n == 0 or n & (n - 1) or (key == "block_n" and n < 16):
+            raise OscarConfigError(f"{name}: {key}={raw!r}, expected a power of two"
+                                   + (" >= 16" if key == "block_n" else ""))
+        options[key] = n
     return options
 
 

@@ -15,6 +15,10 @@ table then says which folder each cache came from, since those are two runs, not
    logged decode rate is shown beside it when the report has it (``serve_bench.decode_log_stats``);
 4. batch-1 ITL (median) no worse than BF16's.
 
+Under the table, two lines that are not goals but name the rerun's remedies: the INT2 decode tile the
+benchmark's sweep found fastest (``OSCAR_SGLANG_DECODE_KERNEL=...``) and the prefill section with its fastest
+extend tile (``OSCAR_SGLANG_EXTEND_KERNEL=...``).
+
 Goals 1-2 are judged on the Llama-3-8B head shape (head_dim 128) when the benchmark measured it, every
 case listed; a goal with no measured case says so instead of passing.  ``scripts/device_check.sh``
 appends the table to its summary.txt; the same command turns fetched results into docs/GPU.md's table.
@@ -176,6 +180,51 @@ def prefill_line(kernels: dict | None) -> str:
     return line + "\n"
 
 
+# kernels/decode/triton_kernel.decode_attention's tile defaults (the first row of bench_kernels' TUNE_GRID);
+# repeated here because this script runs on a bare python3.
+DECODE_TILE = {"block_n": 32, "num_warps": 4, "num_stages": 2}
+
+
+def decode_tile_line(kernels: dict | None) -> str:
+    """Not a goal, but a remedy for the ITL and decode-rate goals (the rerun with ``OSCAR_SGLANG_DECODE_KERNEL``):
+    the INT2 decode tile that was fastest over the benchmark's swept cases against the default's, or ''.
+
+    Only tiles measured in every swept case that has a default row compete; the best has the smallest
+    geometric mean of its time over the default's time."""
+    rows = [r for r in (kernels or {}).get("tuning", []) if r.get("int2_ms")]
+
+    def case(r):
+        return r["d"], r["batch"], r["context"]
+
+    def tile(r):
+        return tuple(r[k] for k in DECODE_TILE)
+
+    default = {case(r): r["int2_ms"] for r in rows if tile(r) == tuple(DECODE_TILE.values())}
+    ratios: dict[tuple, dict] = {}
+    for r in rows:
+        if case(r) in default:
+            ratios.setdefault(tile(r), {})[case(r)] = r["int2_ms"] / default[case(r)]
+    complete = {t: v for t, v in ratios.items() if len(v) == len(default)}
+    if not complete:
+        return ""
+
+    def geomean(t):
+        product = 1.0
+        for x in complete[t].values():
+            product *= x
+        return product ** (1 / len(default))
+
+    best = min(complete, key=geomean)
+    times = {case(r): r["int2_ms"] for r in rows if tile(r) == best}
+    cases = "; ".join(f"d {d} batch {b} {_tokens(c)}: {times[(d, b, c)]:.3f} vs {default[(d, b, c)]:.3f} ms"
+                      for d, b, c in sorted(default))
+    knob = ",".join(f"{k}={v}" for k, v in zip(DECODE_TILE, best))
+    if best == tuple(DECODE_TILE.values()):
+        return f"decode tiles (not a goal): the default ({knob}) was the fastest of {len(complete)} swept\n"
+    return (f"decode tiles (not a goal): fastest swept tile {1 / geomean(best):.2f}x the default's speed "
+            f"({cases}) (OSCAR_SGLANG_DECODE_KERNEL={knob})\n")
+
+
 def _read(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -189,9 +238,9 @@ def goal_table(runs: list[tuple[str, Path]]) -> str:
     kernels = next((k for k in (_read(d / "bench_kernels.json") for _, d in reversed(runs)) if k), None)
     serve, source = merge_serve([(name, _read(d / "serve_bench.json")) for name, d in runs])
     table = markdown(kernel_goals(kernels) + server_goals(serve))
-    prefill = prefill_line(kernels)
-    if prefill:
-        table += "\n" + prefill
+    extra = decode_tile_line(kernels) + prefill_line(kernels)
+    if extra:
+        table += "\n" + extra
     if len(set(source.values())) > 1:
         table += "\nserver results from: " + "; ".join(f"{c}: {src}" for c, src in sorted(source.items())) + "\n"
     return table

@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 from oscar_sglang.sglang import launcher
-from oscar_sglang.sglang.settings import ENV_EXTEND_KERNEL, ENV_GRAPH_HOT_UPDATE, ENV_KV_BUDGET
+from oscar_sglang.sglang.settings import ENV_DECODE_KERNEL, ENV_EXTEND_KERNEL, ENV_GRAPH_HOT_UPDATE, ENV_KV_BUDGET
 
 CACHES = ("bf16", "oscar-int2")
 # sglang/kernels/jit/utils/compile/loader.py's message when the crash flag refuses a JIT build
@@ -215,7 +215,7 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool, remedies=(), l
     res = {"cache": cache, "flags": flags, "runs": []}
     if remedies:
         res["remedies"] = list(remedies)
-    knobs = {k: env[k] for k in (ENV_EXTEND_KERNEL, ENV_GRAPH_HOT_UPDATE) if env.get(k)}
+    knobs = {k: env[k] for k in (ENV_EXTEND_KERNEL, ENV_DECODE_KERNEL, ENV_GRAPH_HOT_UPDATE) if env.get(k)}
     if knobs:  # set around the script (a rerun trying a kernel tile) or by a remedy: the numbers are theirs
         res["knobs"] = knobs
     t0 = time.perf_counter()
