@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -209,10 +210,7 @@ def decode_tile_line(kernels: dict | None) -> str:
         return ""
 
     def geomean(t):
-        product = 1.0
-        for x in complete[t].values():
-            product *= x
-        return product ** (1 / len(default))
+        return statistics.geometric_mean(complete[t].values())
 
     best = min(complete, key=geomean)
     times = {case(r): r["int2_ms"] for r in rows if tile(r) == best}
