@@ -40,12 +40,12 @@ GRAPH_HOT_UPDATES = ("graph", "eager")
 # machine); unset = the kernel's defaults.
 ENV_EXTEND_KERNEL = "OSCAR_SGLANG_EXTEND_KERNEL"
 EXTEND_INT_KEYS = ("block_rows", "block_n", "num_warps", "num_stages")
+EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (not imported: no Triton here; a test pins them)
 # The decode kernel's tile, e.g. "block_n=64,num_warps=8": what the kernel
 # benchmark's decode tile sweep found faster on a GPU (goals.py's "decode
 # tiles" line), tried on the real server the same way; unset = the defaults.
 ENV_DECODE_KERNEL = "OSCAR_SGLANG_DECODE_KERNEL"
 DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages")
-EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (not imported: no Triton here; a test pins them)
 
 # Concurrent requests whose sink and recent windows the BF16 hot side pool
 # holds (capped by --max-running-requests when that is smaller).
