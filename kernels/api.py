@@ -16,6 +16,7 @@ import torch
 from .layout import DeviceRotation, LayerStore, triton_unsupported  # noqa: F401  (re-exported for the pool)
 
 BACKENDS = ("auto", "torch", "triton")
+EXTEND_BACKENDS = (*BACKENDS, "sdpa")  # extend only: the prefix dequantized, then torch SDPA (extend/sdpa.py)
 
 
 def _op(name: str, backend: str, device: torch.device):
@@ -68,10 +69,14 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     ``tuning`` (Triton only): ``max_extend_len`` (avoids a host sync),
     ``max_prefix_len`` (lets the kernel split a long cached prefix, without a
     host sync), ``num_splits``, ``block_rows``, ``block_n``, ``num_warps``, ``num_stages``, ``dots``
-    (``"bf16"``, the default, or ``"tf32"``: the dots' operands).
+    (``"bf16"``, the default, or ``"tf32"``: the dots' operands).  ``backend="sdpa"`` (extend only): the
+    prefix dequantized, then torch's SDPA (flash on a GPU), ``extend/sdpa.py``.
     """
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    op = _op("extend", backend, q.device)
+    if backend == "sdpa":
+        op = importlib.import_module(f"{__package__}.extend.sdpa")
+    else:
+        op = _op("extend", backend, q.device)
     return op.extend_attention(q, k, v, store, rot, req_to_token, req_pool_indices, prefix_lens, extend_lens,
                                sm_scale, extend_start_loc,
                                **(tuning if op.__name__.endswith("triton_kernel") else {}))

@@ -11,6 +11,8 @@ geometry), and it decides the servers' TTFT and how long their 32k waves take.  
 
 * ``int2``: ``kernels/extend`` (the prefix read from an INT2 store, sink 64 + recent 256 hot, the new
   tokens exact), with its dots on bf16 operands (the default) and on fp32 operands (TF32);
+* ``int2_sdpa``: the same INT2 prefill through ``kernels/extend/sdpa.py`` (the prefix dequantized in torch,
+  then SDPA over bf16 operands, flash on a GPU): what ``OSCAR_SGLANG_EXTEND_KERNEL=sdpa`` serves with;
 * ``sglang``: SGLang's own Triton extend (``extend_attention_fwd``), what its BF16 server runs with
   ``--attention-backend triton``, over a BF16 cache of slots (page 1) in random page order; not
   available where SGLang does not import;
@@ -35,6 +37,7 @@ import torch
 from oscar_sglang.kernels import layout, scenario
 from oscar_sglang.kernels.compile_check import EXTEND_SWEEP
 from oscar_sglang.kernels.extend import reference as extend_ref
+from oscar_sglang.kernels.extend import sdpa as extend_sdpa
 from oscar_sglang.kernels.extend import triton_kernel as extend_tk
 
 LAYERS = 32                      # Llama-3-8B, the servers' model
@@ -105,6 +108,11 @@ class _Problem:
             c["prefix_lens"], c["extend_lens"], self.d**-0.5, max_extend_len=c["tokens"],
             max_prefix_len=c["prefix"], dots=dots, **tile)
 
+    def int2_sdpa(self, c: dict):
+        return extend_sdpa.extend_attention(c["q"], c["k"], c["v"], self.store, self.rot, self.paged.req_to_token,
+                                            self.paged.req_pool_indices, c["prefix_lens"], c["extend_lens"],
+                                            self.d**-0.5)
+
     def int2_reference(self, c: dict):
         return extend_ref.extend_attention(c["q"], c["k"], c["v"], self.store, self.rot, self.paged.req_to_token,
                                            self.paged.req_pool_indices, c["prefix_lens"], c["extend_lens"],
@@ -161,6 +169,15 @@ def measure(device, timed, smoke: bool, budget_s: float = 20.0, prompt: int = 32
             r["int2_bf16_vs_fp32"] = rel_err(out["bf16"], out["tf32"])
             if r["int2_bf16_vs_fp32"] > TOL:
                 problems.append(f"prefix {prefix}: INT2 bf16 vs fp32 dots differ by {r['int2_bf16_vs_fp32']:.2e}")
+            try:  # the SDPA path failing (e.g. no flash kernel for these shapes) is a finding for its row only
+                r["int2_sdpa_vs_fp32"] = rel_err(pb.int2_sdpa(c), out["tf32"])
+                r["int2_sdpa_ms"] = timed(lambda: pb.int2_sdpa(c))
+                if r["int2_sdpa_vs_fp32"] > TOL:
+                    problems.append(f"prefix {prefix}: INT2 via SDPA vs fp32 dots {r['int2_sdpa_vs_fp32']:.2e}")
+            except Exception as e:  # noqa: BLE001
+                r["int2_sdpa_note"] = f"INT2 via SDPA failed: {type(e).__name__}: {str(e)[:200]}"
+                problems.append(f"prefix {prefix}: {r['int2_sdpa_note']}")
+                print(traceback.format_exc(), flush=True)
             if smoke:
                 r["smoke_int2_vs_reference"] = rel_err(out["bf16"], pb.int2_reference(c))
                 if r["smoke_int2_vs_reference"] > TOL:
@@ -215,9 +232,9 @@ def measure(device, timed, smoke: bool, budget_s: float = 20.0, prompt: int = 32
     return result
 
 
-KERNELS = ("int2_bf16", "int2_tf32", "sglang", "sdpa")
-LABEL = {"int2_bf16": "INT2, bf16 dots", "int2_tf32": "INT2, TF32 dots", "sglang": "SGLang Triton BF16",
-         "sdpa": "SDPA BF16"}
+KERNELS = ("int2_bf16", "int2_tf32", "int2_sdpa", "sglang", "sdpa")
+LABEL = {"int2_bf16": "INT2, bf16 dots", "int2_tf32": "INT2, TF32 dots", "int2_sdpa": "INT2 via SDPA",
+         "sglang": "SGLang Triton BF16", "sdpa": "SDPA BF16"}
 
 
 def _rates(r: dict) -> dict:
@@ -254,6 +271,8 @@ def markdown(res: dict | None) -> list[str]:
              f"8192 is its default on an H200), {res['q_heads']} query / {res['kv_heads']} KV heads, d {res['d']}; "
              f"each chunk attends to its cached prefix and causally to itself (scripts/bench_extend.py). INT2 = "
              f"`kernels/extend` over an INT2 store (sink {res['sink']} + recent {res['recent']} hot), tile {tile}; "
+             "INT2 via SDPA = the same store through `kernels/extend/sdpa.py` (prefix dequantized, then SDPA: "
+             "`OSCAR_SGLANG_EXTEND_KERNEL=sdpa`); "
              "SGLang Triton BF16 = SGLang's own extend kernel (what its BF16 server runs) over a paged BF16 "
              "cache; SDPA = torch scaled_dot_product_attention over a dense BF16 prefix + chunk, lower-right "
              "causal. TFLOP/s = 4 x q_heads x d x C x (P + (C+1)/2) / time. INT2 / best BF16 > 1: INT2 slower.",
@@ -277,7 +296,8 @@ def markdown(res: dict | None) -> list[str]:
                                                   if k.endswith(("_vs_fp32", "_vs_sdpa", "_vs_reference")))
               for r in res["rows"]]
     lines += ["", "Agreement (max |a - b| / max |b|): " + "; ".join(checks) + "."]
-    notes = [f"- prefix {r['prefix']}: {r[k]}" for r in res["rows"] for k in ("note", "sdpa_note") if r.get(k)]
+    notes = [f"- prefix {r['prefix']}: {r[k]}" for r in res["rows"] for k in ("note", "sdpa_note", "int2_sdpa_note")
+             if r.get(k)]
     if notes:
         lines += [""] + notes
     if res["sweep"]:

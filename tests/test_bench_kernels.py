@@ -202,6 +202,7 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
         assert row["int2_bf16_ms"] > 0 and row["int2_tf32_ms"] > 0 and row["sdpa_ms"] > 0 and row["sglang_ms"] > 0
         assert row["smoke_int2_vs_reference"] < 3e-2 and row["smoke_sdpa_vs_fp32"] < 2e-2
         assert 0 < row["int2_bf16_vs_fp32"] < 3e-2 and row["sglang_vs_sdpa"] < 3e-2
+        assert row["int2_sdpa_ms"] > 0 and 0 < row["int2_sdpa_vs_fp32"] < 3e-2   # the sdpa path, bf16 operands
         assert row["int2_vs_best_bf16"] > 0
     assert ext["prompt_row"]["GFLOP"] == sum(r["GFLOP"] for r in ext["rows"])
     assert ext["sglang_note"] is None
@@ -228,7 +229,7 @@ def test_prefill_section_renders_missing_kernels_and_failures():
     """The prefill section's table when SGLang's kernel is absent and a chunk failed: n/a, never a crash."""
     ext = load_script("bench_extend.py")
     rows = [ext._rates({"prefix": 0, "tokens": 8, "GFLOP": 2.0, "int2_bf16_ms": 1.0, "int2_tf32_ms": 2.0,
-                        "sdpa_ms": 0.5, "int2_bf16_vs_fp32": 1e-3}),
+                        "int2_sdpa_ms": 0.7, "sdpa_ms": 0.5, "int2_bf16_vs_fp32": 1e-3}),
             ext._rates({"prefix": 8, "tokens": 8, "GFLOP": 4.0, "note": "failed: OutOfMemoryError: x"})]
     res = {"prompt": 16, "chunk": 8, "kv_heads": 8, "q_heads": 32, "d": 128, "sink": 64, "recent": 256,
            "layers": 32, "tile": ext.DEFAULT_TILE, "sglang_note": "not available: ImportError: no sglang",
@@ -239,6 +240,6 @@ def test_prefill_section_renders_missing_kernels_and_failures():
     assert res["prompt_row"]["int2_bf16_ms"] is None and res["prompt_row"]["GFLOP"] == 6.0  # a chunk missing
     md = "\n".join(ext.markdown(res))
     assert "SGLang Triton BF16: not available: ImportError" in md and "- prefix 8: failed: OutOfMemoryError" in md
-    assert "| 0 | 8 | 2 | 1.000 | 2.000 | n/a | 0.500 |" in md and "| all | 16 | 6 | n/a |" in md
+    assert "| 0 | 8 | 2 | 1.000 | 2.000 | 0.700 | n/a | 0.500 |" in md and "| all | 16 | 6 | n/a |" in md
     assert "| 64 | 64 | 8 | 2 | 0.800 |" in md and "| 64 | 32 | 8 | 2 | budget spent |" in md
     assert ext.markdown(None) == []

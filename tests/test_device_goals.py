@@ -123,16 +123,23 @@ def test_the_prefill_line_names_the_fastest_tile_as_the_knob_takes_it(tmp_path, 
 
     tile = {"block_rows": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}
     ext = {"prompt": 32768, "chunk": 8192, "rows": [{"int2_bf16_ms": 10.0}],
-           "prompt_row": {"int2_bf16_ms": 25.0, "int2_tf32_ms": 40.0, "sglang_ms": 20.0, "sdpa_ms": None,
-                          "int2_vs_best_bf16": 1.25},
+           "prompt_row": {"int2_bf16_ms": 25.0, "int2_tf32_ms": 40.0, "int2_sdpa_ms": 30.0, "sglang_ms": 20.0,
+                          "sdpa_ms": None, "int2_vs_best_bf16": 1.25},
            "sweep": [dict(tile, block_rows=128, int2_bf16_ms=8.0), dict(tile, block_n=64, int2_bf16_ms=9.0),
                      dict(tile, num_warps=4, note="section budget 20 s spent")]}
     line = goals.prefill_line({"extend": ext})
     assert line.startswith("prefill (not a goal): a 32768-token prompt in chunks of 8192, one layer: INT2 25.0 ms "
-                           "(fp32 dots 40.0 ms), SGLang Triton BF16 20.0 ms, SDPA n/a; INT2 / best BF16 1.25")
+                           "(fp32 dots 40.0 ms, via SDPA 30.0 ms), SGLang Triton BF16 20.0 ms, SDPA n/a; "
+                           "INT2 / best BF16 1.25")
     knob = line.split("OSCAR_SGLANG_EXTEND_KERNEL=")[1].rstrip(")\n")
-    assert "8.00 ms vs the default's 10.00 ms" in line
+    assert "8.00 ms vs the default's 10.00 ms" in line and "=sdpa" not in line  # SDPA path slower: not named
     assert extend_kernel_options({"OSCAR_SGLANG_EXTEND_KERNEL": knob}) == dict(tile, block_rows=128)
+    ext["prompt_row"]["int2_sdpa_ms"] = 12.5                # faster over the prompt: named, as the knob takes it
+    line = goals.prefill_line({"extend": ext})
+    assert line.endswith("; INT2 via SDPA 2.00x the kernel's speed over the prompt "
+                         "(OSCAR_SGLANG_EXTEND_KERNEL=sdpa)\n")
+    knob = line.split("OSCAR_SGLANG_EXTEND_KERNEL=")[-1].rstrip(")\n")
+    assert extend_kernel_options({"OSCAR_SGLANG_EXTEND_KERNEL": knob}) == {"backend": "sdpa"}
     assert goals.prefill_line({"decode": []}) == goals.prefill_line(None) == ""
     (tmp_path / "bench_kernels.json").write_text(json.dumps({"extend": ext}))
     assert goals.main([str(tmp_path)]) == 0

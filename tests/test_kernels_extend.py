@@ -179,11 +179,59 @@ def test_cpu_dispatch_never_imports_triton():
     code = ("import sys, torch; from oscar_sglang.kernels import api, scenario, layout;"
             "r = scenario.random_rotation(1, 64); s = layout.empty_store(4, 1, 64);"
             "k, v = scenario.random_kv(2, 1, 64); api.write_kv(k, v, torch.tensor([1, 2]), s, r);"
+            "t = torch.tensor([[1, 2, 3, 0]]); q = torch.randn(1, 1, 64); i = torch.tensor;"
+            "[api.extend_attention(q, k[:1], v[:1], s, r, t, i([0]), i([2]), i([1]), backend=b)"
+            " for b in ('auto', 'sdpa')];"
             "print('triton' in sys.modules)")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "False"
+
+
+# The SDPA path (extend/sdpa.py; a server's OSCAR_SGLANG_EXTEND_KERNEL=sdpa): the reference's numerics with q's
+# dtype as the operands; a request without new tokens, and the requests' rows laid out in reverse order.
+SDPA_PREFIX = [0, 5, 17, 33, 64]
+SDPA_EXTEND = [9, 0, 16, 1, 40]
+SDPA_CASES = [(64, 1, 16, True, FORMATS[0]), (128, 4, 1, True, FORMATS[3]), (64, 3, 16, False, FORMATS[6]),
+              (128, 8, 16, True, FORMATS[7])]
+
+
+def _sdpa_case(d, gqa, page, hot, formats, dtype):
+    seed = 200 + d + gqa
+    paged, rot, store = build(SDPA_PREFIX, SDPA_EXTEND, d, None, page, hot, seed, formats=formats)
+    q, k, v = new_tokens(sum(SDPA_EXTEND), KV * gqa, d, seed, dtype)
+    ext = torch.tensor(SDPA_EXTEND, device=DEVICE)
+    start = sum(SDPA_EXTEND) - torch.cumsum(ext, 0)  # the last request's rows first
+    return (q, k, v, store, rot, paged.req_to_token, paged.req_pool_indices,
+            torch.tensor(SDPA_PREFIX, device=DEVICE), ext, d**-0.5, start)
+
+
+@pytest.mark.parametrize("mask", ["causal-bias", "booleans"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d,gqa,page,hot,formats", SDPA_CASES, ids=[_case_id(c) for c in SDPA_CASES])
+def test_sdpa_path_matches_reference(monkeypatch, d, gqa, page, hot, formats, dtype, mask):
+    from oscar_sglang.kernels.extend import sdpa
+
+    monkeypatch.setattr(sdpa, "CAUSAL_BIAS", mask == "causal-bias")  # the GPU's mask / the CPU's
+    args = _sdpa_case(d, gqa, page, hot, formats, dtype)
+    ref = reference.extend_attention(*args)
+    out = api.extend_attention(*args, backend="sdpa", max_extend_len=40, block_rows=16)  # Triton tuning: ignored
+    atol, rtol = tolerance("tf32" if dtype == torch.float32 else "bf16")
+    assert out.dtype == dtype and out.shape == ref.shape and not torch.isnan(out).any()
+    assert torch.allclose(out.float(), ref.float(), atol=atol, rtol=rtol), (out.float() - ref.float()).abs().max()
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="flash attention needs CUDA")
+def test_sdpa_path_runs_on_flash_attention_on_a_gpu():
+    # With only the flash backend allowed, a bf16 prefill over a prefix either runs on it or raises.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    args = _sdpa_case(128, 4, 16, True, FORMATS[0], torch.bfloat16)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = api.extend_attention(*args, backend="sdpa")
+    ref = reference.extend_attention(*args)
+    assert torch.allclose(out.float(), ref.float(), atol=BF16_ATOL, rtol=BF16_RTOL)
 
 
 def test_bf16_dots_err_like_bf16_rounding_of_the_operands():

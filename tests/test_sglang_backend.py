@@ -240,6 +240,42 @@ def test_kernel_tile_knobs_reach_the_kernels(monkeypatch, kernel, env, knob, wan
         _backend("triton")
 
 
+@pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
+def test_extend_knob_sdpa_runs_every_prefill_through_the_sdpa_path(monkeypatch, kernel_backend):
+    # OSCAR_SGLANG_EXTEND_KERNEL=sdpa: every extend pass of the backend goes to kernels/extend/sdpa.py (the prefix
+    # dequantized, then torch SDPA), whatever the pool's kernels; decode keeps them; outputs agree with dense
+    # attention and with the default path's.
+    from oscar_sglang.kernels import api
+    from oscar_sglang.kernels.extend import sdpa
+
+    calls = {"sdpa": 0, "decode": 0}
+    real_sdpa, real_decode = sdpa.extend_attention, api.decode_attention
+
+    def spy_sdpa(*args, **kwargs):
+        calls["sdpa"] += 1
+        return real_sdpa(*args, **kwargs)
+
+    def spy_decode(*args, **kwargs):
+        assert kwargs["backend"] == kernel_backend
+        calls["decode"] += 1
+        return real_decode(*args, **kwargs)
+
+    default_out, _, _ = _run(kernel_backend)
+    monkeypatch.setattr(sdpa, "extend_attention", spy_sdpa)
+    monkeypatch.setattr(api, "decode_attention", spy_decode)
+    monkeypatch.setenv("OSCAR_SGLANG_EXTEND_KERNEL", " sdpa ")
+    out, dense, _ = _run(kernel_backend)
+    extends = sum(mode == "extend" and bool(reqs) for mode, reqs in _passes())
+    assert calls == {"sdpa": extends * LAYERS, "decode": (len(_passes()) - extends) * LAYERS}, calls
+    for o, ref in dense:
+        torch.testing.assert_close(o, ref, atol=2e-2, rtol=2e-2)
+    for a, b in zip(default_out, out):
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)
+    monkeypatch.setenv("OSCAR_SGLANG_EXTEND_KERNEL", "sdpa,block_n=32")
+    with pytest.raises(ValueError, match="or sdpa"):
+        _backend(kernel_backend)
+
+
 def test_backend_refuses_a_foreign_pool():
     from oscar_sglang.sglang.backend import OscarInt2AttnBackend
 

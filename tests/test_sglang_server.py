@@ -292,6 +292,21 @@ def scheduled_run(model_dir, rotations, bf16_answers, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sdpa_run(model_dir, rotations, bf16_answers, tmp_path_factory):
+    """The long prompt in chunks through the INT2 server whose extend passes take the sdpa path
+    (OSCAR_SGLANG_EXTEND_KERNEL=sdpa), window WIDE, page 16 (it stops afterwards)."""
+    from oscar_sglang.sglang.launcher import server_env
+
+    log = tmp_path_factory.mktemp("int2-sdpa") / "server.log"
+    with local_server(model_dir, log, *SERVER_FLAGS, "--kv-cache-dtype", "oscar-int2", "--oscar-sink", str(SINK),
+                      "--oscar-recent", str(WIDE), "--oscar-rotations", str(rotations[0]), "--page-size", "16",
+                      "--chunked-prefill-size", str(CHUNK),
+                      env={**server_env(), "OSCAR_SGLANG_EXTEND_KERNEL": "sdpa"}) as url:
+        long = [_generate(url, LONG[0], N_LONG)]
+    return {"long": long, "log": log.read_text()}
+
+
+@pytest.fixture(scope="module")
 def int2_url(model_dir, rotations, bf16_answers, tmp_path_factory):
     """The Hadamard oscar-int2 server, up for the rest of the module (in file order, the others have stopped)."""
     log = tmp_path_factory.mktemp("int2") / "server.log"
@@ -425,6 +440,16 @@ def test_chunked_prefill_and_retraction_answer_like_bf16(scheduled_run, bf16_ans
     for ref, got in zip(bf16_answers["facts"], scheduled_run["batch"]):
         assert got["completion_tokens"] == AGREE_TOKENS and got["prompt_tokens"] == ref["prompt_tokens"]
         _same_up_to_noise(ref, got, "8 at once, retracted and resumed (page 16) vs BF16 one at a time")
+
+
+def test_chunked_prefill_through_the_sdpa_path_answers_like_bf16(sdpa_run, bf16_answers):
+    """OSCAR_SGLANG_EXTEND_KERNEL=sdpa on the real server: every chunk's extend over its cached prefix runs
+    through kernels/extend/sdpa.py (the prefix dequantized, then torch SDPA), and with every read a BF16 row
+    the long answer is BF16's up to float noise."""
+    assert "oscar_int2 attention: extend through the sdpa path" in sdpa_run["log"], sdpa_run["log"][-4000:]
+    ref, got = bf16_answers["long"][0], sdpa_run["long"][0]
+    assert got["prompt_tokens"] == ref["prompt_tokens"] > 5 * CHUNK
+    _same_up_to_noise(ref, got, "chunked prefill through the sdpa path vs BF16")
 
 
 # ---------------------------------------------------------------------------

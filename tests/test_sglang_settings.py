@@ -51,6 +51,11 @@ def test_extend_kernel_knob():
                        ("num_stages=-1", "positive integer"), ("dots=fp16", "one of bf16, tf32")):
         with pytest.raises(st.OscarConfigError, match=match):
             st.extend_kernel_options({st.ENV_EXTEND_KERNEL: bad})
+    # the other path: the prefix dequantized, then torch SDPA (kernels.api.extend_attention(backend="sdpa"))
+    assert st.extend_kernel_options({st.ENV_EXTEND_KERNEL: " sdpa"}) == {"backend": "sdpa"}
+    for bad in ("sdpa,dots=tf32", "SDPA", "backend=sdpa"):
+        with pytest.raises(st.OscarConfigError, match="; or sdpa$"):
+            st.extend_kernel_options({st.ENV_EXTEND_KERNEL: bad})
 
 
 def test_decode_kernel_knob():
@@ -75,6 +80,9 @@ def test_kernel_knob_keys_are_the_kernels_own():
     params = inspect.signature(triton_kernel.extend_attention).parameters
     assert st.EXTEND_DOTS == triton_kernel.DOT_CHOICES and triton_kernel.DOTS in st.EXTEND_DOTS
     assert all(isinstance(params[key].default, int) for key in st.EXTEND_INT_KEYS)
+    from oscar_sglang.kernels import api
+
+    assert st.EXTEND_SDPA in api.EXTEND_BACKENDS
     params = inspect.signature(decode_kernel.decode_attention).parameters
     assert all(isinstance(params[key].default, int) for key in st.DECODE_INT_KEYS)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -9,6 +11,29 @@ from oscar_sglang.rotation import derotate_output, rotate_kv, rotate_queries
 
 from ..common.reference import read_rotated
 from ..layout import DeviceRotation, LayerStore
+
+
+def rotated_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
+                     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
+                     extend_lens: torch.Tensor, extend_start_loc: torch.Tensor | None, dtype: torch.dtype,
+                     ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per request with new tokens: its rows of ``q`` and, in ``dtype``, the rotated queries ``[ext, q_heads, d]``
+    and keys, values ``[pre + ext, kv_heads, d]`` (the cached prefix read from the store, then the new tokens
+    rotated exactly); a host loop over the requests (prefill only)."""
+    n, _, d = q.shape
+    kv = rot.k_rot.shape[0]
+    if extend_start_loc is None:
+        extend_start_loc = torch.cumsum(extend_lens, 0) - extend_lens
+    qr = rotate_queries(q, rot.q_rot).to(dtype)
+    kn = rotate_kv(k.reshape(n, kv, d), rot.k_rot, rot.k_mean).to(dtype)
+    vn = rotate_kv(v.reshape(n, kv, d), rot.v_rot).to(dtype)
+    for req, pre, ext, first in zip(req_pool_indices.tolist(), prefix_lens.tolist(), extend_lens.tolist(),
+                                    extend_start_loc.tolist()):
+        if ext == 0:
+            continue
+        rows = slice(first, first + ext)
+        kp, vp = read_rotated(store, req_to_token[req, :pre])
+        yield rows, qr[rows], torch.cat([kp.to(dtype), kn[rows]]), torch.cat([vp.to(dtype), vn[rows]])
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
@@ -26,21 +51,14 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     """
     n, q_heads, d = q.shape
     kv = rot.k_rot.shape[0]
-    if extend_start_loc is None:
-        extend_start_loc = torch.cumsum(extend_lens, 0) - extend_lens
-    qr = rotate_queries(q, rot.q_rot)
-    kn = rotate_kv(k.reshape(n, kv, d), rot.k_rot, rot.k_mean)
-    vn = rotate_kv(v.reshape(n, kv, d), rot.v_rot)
-    out = torch.zeros_like(qr)
-    for b, (req, pre, ext, first) in enumerate(zip(req_pool_indices.tolist(), prefix_lens.tolist(),
-                                                   extend_lens.tolist(), extend_start_loc.tolist())):
-        if ext == 0:
-            continue
-        kp, vp = read_rotated(store, req_to_token[req, :pre])
-        keys = torch.cat([kp, kn[first:first + ext]]).transpose(0, 1)  # [kv, pre + ext, d]
-        vals = torch.cat([vp, vn[first:first + ext]]).transpose(0, 1)
-        seen = torch.arange(pre + ext, device=q.device)[None, :] <= pre + torch.arange(ext, device=q.device)[:, None]
-        o = F.scaled_dot_product_attention(qr[first:first + ext].transpose(0, 1), keys, vals, attn_mask=seen,
-                                           scale=sm_scale, enable_gqa=q_heads != kv)  # [Hq, ext, d]
-        out[first:first + ext] = o.transpose(0, 1)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(n, q_heads, d, dtype=work, device=q.device)
+    for rows, qr, keys, vals in rotated_requests(q, k, v, store, rot, req_to_token, req_pool_indices, prefix_lens,
+                                                 extend_lens, extend_start_loc, work):
+        ext, total = qr.shape[0], keys.shape[0]
+        pre = total - ext
+        seen = torch.arange(total, device=q.device)[None, :] <= pre + torch.arange(ext, device=q.device)[:, None]
+        o = F.scaled_dot_product_attention(qr.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
+                                           attn_mask=seen, scale=sm_scale, enable_gqa=q_heads != kv)  # [Hq, ext, d]
+        out[rows] = o.transpose(0, 1)
     return derotate_output(out, rot.v_rot).to(q.dtype)

@@ -61,6 +61,7 @@ a graph) are fenced by SGLang as a whole.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,7 @@ from .settings import decode_kernel_options, extend_kernel_options, graph_hot_up
 
 
 _EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -118,7 +120,13 @@ class OscarInt2AttnBackend(AttentionBackend):
         self._graph_splits: dict[int, int | None] = {}
         self._hot_in_graph = True                           # the hot pool's update recorded in the graphs
         self._extend_options = extend_kernel_options()      # OSCAR_SGLANG_EXTEND_KERNEL: tile and dots, if set
+        self._extend_backend = self._extend_options.pop("backend", None)   # "sdpa" (the same knob), if set
         self._decode_options = decode_kernel_options()      # OSCAR_SGLANG_DECODE_KERNEL: tile, if set
+        if self._extend_backend or self._extend_options or self._decode_options:
+            logger.info("oscar_int2 attention: extend %s; decode %s",
+                        "through the sdpa path (kernels/extend/sdpa.py)" if self._extend_backend
+                        else f"kernel options {self._extend_options or 'default'}",
+                        f"kernel options {self._decode_options or 'default'}")
 
     # -- per pass -------------------------------------------------------------
 
@@ -261,7 +269,8 @@ class OscarInt2AttnBackend(AttentionBackend):
         md = self.forward_metadata
         o = kernels.extend_attention(q3, k3, v3, store, rot, self.req_to_token, forward_batch.req_pool_indices,
                                      md.prefix_lens, md.extend_lens, layer.scaling,
-                                     backend=self.pool.kernel_backend, max_extend_len=md.max_len,
+                                     backend=self._extend_backend or self.pool.kernel_backend,
+                                     max_extend_len=md.max_len,
                                      max_prefix_len=md.max_prefix, **self._extend_options)
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 

@@ -35,10 +35,12 @@ ENV_GRAPH_HOT_UPDATE = "OSCAR_SGLANG_GRAPH_HOT_UPDATE"
 GRAPH_HOT_UPDATES = ("graph", "eager")
 
 # The prefill (extend) kernel's tile and dots, e.g. "block_rows=128,block_n=64"
-# or "dots=tf32": what the kernel benchmark's prefill sweep found faster on a
-# GPU, tried on the real server without a code change (a rerun on a lent
-# machine); unset = the kernel's defaults.
+# or "dots=tf32", or "sdpa" (the prefix dequantized, then torch's SDPA: flash
+# attention on a GPU, kernels/extend/sdpa.py): what the kernel benchmark's
+# prefill section found faster on a GPU, tried on the real server without a
+# code change (a rerun on a lent machine); unset = the Triton kernel's defaults.
 ENV_EXTEND_KERNEL = "OSCAR_SGLANG_EXTEND_KERNEL"
+EXTEND_SDPA = "sdpa"
 EXTEND_INT_KEYS = ("block_rows", "block_n", "num_warps", "num_stages")
 EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (not imported: no Triton here; a test pins them)
 # The decode kernel's tile, e.g. "block_n=64,num_warps=8": what the kernel
@@ -177,7 +179,10 @@ def graph_hot_update(environ=os.environ) -> str:
 
 
 def extend_kernel_options(environ=os.environ) -> dict:
-    """Keyword arguments for the Triton extend kernel from :data:`ENV_EXTEND_KERNEL` (``{}`` when unset)."""
+    """Keyword arguments for the Triton extend kernel from :data:`ENV_EXTEND_KERNEL` (``{}`` when unset), or
+    ``{"backend": "sdpa"}`` for :data:`EXTEND_SDPA` (``kernels.api.extend_attention``'s SDPA path)."""
+    if environ.get(ENV_EXTEND_KERNEL, "").strip() == EXTEND_SDPA:
+        return {"backend": EXTEND_SDPA}
     return _kernel_options(environ, ENV_EXTEND_KERNEL, EXTEND_INT_KEYS, EXTEND_DOTS)
 
 
@@ -196,7 +201,7 @@ def _kernel_options(environ, name: str, int_keys: tuple, dots: tuple) -> dict:
         key, sep, raw = (x.strip() for x in item.partition("="))
         if not sep or key not in keys or key in options:
             raise OscarConfigError(f"{name}={value!r}: expected comma-separated KEY=VALUE, each key "
-                                   f"once, of {', '.join(keys)}")
+                                   f"once, of {', '.join(keys)}" + (f"; or {EXTEND_SDPA}" if dots else ""))
         if key == "dots":
             if raw not in dots:
                 raise OscarConfigError(f"{name}: dots={raw!r}, expected one of {', '.join(dots)}")

@@ -169,8 +169,9 @@ def prefill_line(kernels: dict | None) -> str:
 
     ratio = row.get("int2_vs_best_bf16")
     line = (f"prefill (not a goal): a {ext['prompt']}-token prompt in chunks of {ext['chunk']}, one layer: INT2 "
-            f"{ms('int2_bf16_ms')} (fp32 dots {ms('int2_tf32_ms')}), SGLang Triton BF16 {ms('sglang_ms')}, SDPA "
-            f"{ms('sdpa_ms')}; INT2 / best BF16 {'n/a' if ratio is None else f'{ratio:.2f}'}")
+            f"{ms('int2_bf16_ms')} (fp32 dots {ms('int2_tf32_ms')}, via SDPA {ms('int2_sdpa_ms')}), SGLang Triton "
+            f"BF16 {ms('sglang_ms')}, SDPA {ms('sdpa_ms')}; INT2 / best BF16 "
+            f"{'n/a' if ratio is None else f'{ratio:.2f}'}")
     last = (ext.get("rows") or [{}])[-1].get("int2_bf16_ms")
     swept = [t for t in ext.get("sweep", []) if t.get("int2_bf16_ms") is not None]
     if swept and last:
@@ -178,6 +179,10 @@ def prefill_line(kernels: dict | None) -> str:
         tile = ",".join(f"{k}={best[k]}" for k in ("block_rows", "block_n", "num_warps", "num_stages"))
         line += (f"; fastest swept tile on the last chunk: {best['int2_bf16_ms']:.2f} ms vs the default's "
                  f"{last:.2f} ms (OSCAR_SGLANG_EXTEND_KERNEL={tile})")
+    kernel, via_sdpa = row.get("int2_bf16_ms"), row.get("int2_sdpa_ms")
+    if kernel and via_sdpa and via_sdpa < kernel:
+        line += (f"; INT2 via SDPA {kernel / via_sdpa:.2f}x the kernel's speed over the prompt "
+                 "(OSCAR_SGLANG_EXTEND_KERNEL=sdpa)")
     return line + "\n"
 
 
