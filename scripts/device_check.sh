@@ -15,6 +15,9 @@
 #   kernel_tests   every Triton kernel (write, decode, extend) natively against its torch reference
 #                  and the hot pool's update (its reference; recorded in a CUDA graph, replayed), and the
 #                  INT2 backend's whole decode step recorded in real CUDA graphs vs eager (needs the install)
+#   prefill_probe  the INT2 prefill's two paths on the last chunk of a 32k prompt: the sdpa path, if at least
+#                  1.2x as fast as the Triton kernel, becomes the INT2 server's (OSCAR_SGLANG_EXTEND_KERNEL=sdpa,
+#                  scripts/device/prefill_probe.py); not when the knob is set
 #   servers        the real SGLang servers, BF16 (triton backend, CUDA graphs) vs oscar-int2, dummy weights
 #                  of Llama-3-8B geometry, same KV budget: capacity, then sglang.bench_serving at 32k and
 #                  8k input, concurrency 1 and the largest each capacity allows: output and decode tok/s, TTFT,
@@ -74,7 +77,7 @@ stop_servers() {
 }
 stop_servers  # a previous run cut short by the device tool's limit (the machine stays warm for a rerun)
 if [ -n "${ONLY:-}" ]; then  # the steps that the chosen ones need
-    [[ " $ONLY " == *" servers "* ]] && ONLY="install models $ONLY"
+    [[ " $ONLY " == *" servers "* ]] && ONLY="install models prefill_probe $ONLY"
     [[ " $ONLY " == *" calibration "* ]] && ONLY="models $ONLY"
 fi
 wanted() { [ -z "${ONLY:-}" ] || [[ " env $ONLY " == *" $1 "* ]]; }
@@ -91,6 +94,21 @@ step() {  # name, time limit (s), command...
     [ $r -ne 0 ] && [ $rc -eq 0 ] && rc=$r
     publish
     return $r
+}
+
+# Which INT2 prefill path is faster on this GPU, the Triton kernel or the sdpa path (the prefix dequantized once,
+# then flash attention), timed on the last 8k chunk of a 32k prompt: the INT2 server's 32k waves are mostly
+# prefill. The servers step inherits the choice. Not when the knob is set already or no INT2 server is to run;
+# without CUDA it runs (tiny shapes, the interpreter) but never chooses.
+probe_prefill() {  # time limit (s)
+    [ -z "${OSCAR_SGLANG_EXTEND_KERNEL:-}" ] && [[ " ${SERVE_CACHES:-oscar-int2} " == *" oscar-int2 "* ]] || return 0
+    step prefill_probe "$1" "${INTERP[@]}" "$PY" "$ROOT/scripts/device/prefill_probe.py" --out "$RES"
+    if [ "$GPU" = 1 ] && grep -qx 'choice=sdpa' "$RES/prefill_probe.log" 2>/dev/null; then
+        export OSCAR_SGLANG_EXTEND_KERNEL=sdpa
+        echo "== the INT2 server prefills through the sdpa path (OSCAR_SGLANG_EXTEND_KERNEL=sdpa: prefill_probe)" \
+            | tee -a "$RES/summary.txt"
+    fi
+    return 0
 }
 
 GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
@@ -153,6 +171,7 @@ if [ -d "$BUNDLE/tokenizer" ] && wanted models; then
         --geometry "$GEOM" --hadamard && HAVE_MODELS=1
 fi
 if [ "$HAVE_SGLANG" = 1 ] && [ "$HAVE_MODELS" = 1 ]; then
+    probe_prefill $([ "$GPU" = 1 ] && echo 60 || echo 300)
     if [ "$GPU" = 1 ]; then
         left=$(( DEVICE_LIMIT_S - (SECONDS - T0) - 30 ))
         serve_s=$(( left - reserve )); floor=$(( left < 150 ? left : 150 ))

@@ -1,0 +1,80 @@
+"""The device run's prefill probe (scripts/device/prefill_probe.py) and how device_check.sh acts on it.
+
+Before the servers on a GPU the probe times the INT2 prefill's two paths on the last chunk of a 32k prompt and
+chooses the sdpa path for the INT2 server when it is clearly faster; the script's ``probe_prefill`` function
+(cut out of device_check.sh and run in bash) exports the knob the servers inherit.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from script_modules import load_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = (ROOT / "scripts" / "device_check.sh").read_text()
+probe = load_script("device/prefill_probe.py")
+
+
+def test_the_sdpa_path_is_chosen_only_on_a_gpu_when_clearly_faster_and_agreeing():
+    assert probe.choose(12.0, 10.0, 1e-3, 3e-2, True)[0] == "sdpa"            # 1.2x: just enough
+    assert probe.choose(11.9, 10.0, 1e-3, 3e-2, True)[0] == "kernel"          # under the margin
+    assert probe.choose(5.0, 10.0, 1e-3, 3e-2, True)[0] == "kernel"           # the kernel is faster
+    assert probe.choose(30.0, 10.0, 5e-2, 3e-2, True) == (
+        "kernel", "the paths disagree (max relative difference 0.05, tolerance 0.03)")
+    assert probe.choose(30.0, None, None, 3e-2, True) == ("kernel", "a path was not timed")
+    assert probe.choose(None, 10.0, None, 3e-2, True)[0] == "kernel"
+    assert probe.choose(30.0, 10.0, 1e-3, 3e-2, False)[0] == "kernel"         # interpreter timings: never
+    assert probe.choose(30.0, 10.0, 1e-3, 3e-2, True)[1] == "the sdpa path is 3.00x as fast (>= 1.2)"
+
+
+def test_the_probe_runs_both_paths_on_cpu_and_keeps_the_kernel(tmp_path):
+    # The dry run's form: tiny shapes, the Triton kernel through the interpreter, both paths agreeing.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "device" / "prefill_probe.py"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1] == "choice=kernel"
+    res = json.loads((tmp_path / "prefill_probe.json").read_text())
+    assert res["cuda"] is False and res["prefix"] == res["prompt"] - res["chunk"] > 0
+    assert res["kernel_ms"] > 0 and res["sdpa_ms"] > 0 and 0 < res["rel_err"] < 3e-2
+    assert res["why"].startswith("no CUDA")
+
+
+def _function(name: str) -> str:
+    m = re.search(rf"^{name}\(\) {{.*?^}}$", SCRIPT, re.S | re.M)
+    assert m, f"device_check.sh has no function {name}()"
+    return m.group(0)
+
+
+@pytest.mark.parametrize("gpu, preset, caches, want_step, want_knob", [
+    (1, "", "bf16 oscar-int2", True, "sdpa"),             # chosen on a GPU: the servers inherit it
+    (0, "", "bf16 oscar-int2", True, ""),                 # the dry run: the probe runs, the choice is not taken
+    (1, "block_rows=128", "oscar-int2", False, "block_rows=128"),   # the knob set around the script wins
+    (1, "", "bf16", False, ""),                           # no INT2 server to prefill for
+])
+def test_device_check_exports_the_probe_s_choice_for_the_servers(tmp_path, gpu, preset, caches, want_step,
+                                                                 want_knob):
+    res, out = tmp_path / "results", tmp_path / "out"
+    res.mkdir()
+    out.mkdir()
+    fake_py = tmp_path / "python"
+    fake_py.write_text("#!/bin/sh\necho 'INT2 prefill ...: the sdpa path is 1.50x as fast (>= 1.2)'\necho choice=sdpa\n")
+    fake_py.chmod(0o755)
+    knob = f"export OSCAR_SGLANG_EXTEND_KERNEL={preset}" if preset else "unset OSCAR_SGLANG_EXTEND_KERNEL"
+    harness = "\n".join([
+        "set -u -o pipefail", f'RES="{res}"; OUT="{out}"; WORK="{tmp_path}"; ONLY=""; T0=$SECONDS; rc=0',
+        f'ROOT="{ROOT}"; PY="{fake_py}"; GPU={gpu}; INTERP=(); SERVE_CACHES="{caches}"; {knob}',
+        _function("publish"), _function("wanted"), _function("step"), _function("probe_prefill"),
+        "probe_prefill 60", 'echo "KNOB=${OSCAR_SGLANG_EXTEND_KERNEL:-}"'])
+    r = subprocess.run(["bash", "-c", harness], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == f"KNOB={want_knob}"
+    summary = (res / "summary.txt").read_text() if (res / "summary.txt").exists() else ""
+    assert ("== prefill_probe (limit 60 s" in summary) == want_step
+    assert ("prefills through the sdpa path" in summary) == (want_knob == "sdpa")
