@@ -4,8 +4,8 @@ The Triton kernel (``triton_kernel.py``) reads the INT2 prefix straight from
 the store and dequantizes it in every query block; this path dequantizes each
 request's prefix once (``reference.read_rotated``), rounds the rotated
 queries, keys and values to ``q``'s dtype when it is 16-bit (a server's
-bf16; fp32 inputs stay fp32) and runs ``scaled_dot_product_attention`` over prefix + new
-tokens with the lower-right causal mask, which torch serves with its flash
+bf16; fp32 inputs stay fp32) and runs ``scaled_dot_product_attention``
+over prefix + new tokens with the lower-right causal mask, which torch serves with its flash
 kernel on a GPU (a dense BF16 prefill's speed, plus the dequantization and
 a copy).  The GQA heads are expanded first (flash and efficient attention
 then take the shapes as they are).  Transient memory per request: the
@@ -48,13 +48,13 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     n, q_heads, d = q.shape
     work = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     out = torch.zeros(n, q_heads, d, dtype=work, device=q.device)
+
+    def heads(x):  # [tokens, kv_heads, d] -> [1, q_heads, tokens, d]
+        return expand_groups(x, q_heads).transpose(0, 1).unsqueeze(0)
+
     for rows, qr, keys, vals in rotated_requests(q, k, v, store, rot, req_to_token, req_pool_indices, prefix_lens,
                                                  extend_lens, extend_start_loc, work):
         ext, total = qr.shape[0], keys.shape[0]
-
-        def heads(x):  # [tokens, heads, d] -> [1, q_heads, tokens, d]
-            return expand_groups(x, q_heads).transpose(0, 1).unsqueeze(0)
-
         o = F.scaled_dot_product_attention(qr.transpose(0, 1).unsqueeze(0), heads(keys), heads(vals),
                                            attn_mask=lower_right_causal(ext, total, q.device), scale=sm_scale)
         out[rows] = o[0].transpose(0, 1)
