@@ -6,6 +6,7 @@ serve_bench's own writer, so the recorder reads what the producers write.
 """
 
 import argparse
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -44,7 +45,7 @@ def _device_run(tmp_path, steps: str, only: str = "") -> Path:
     (bash lines), then its closing line and last publish; returns OUT as the device tool brings it back."""
     work, out = tmp_path / "work", tmp_path / "out"
     res = work / "results"
-    res.mkdir(parents=True)
+    res.mkdir(parents=True, exist_ok=True)   # a test may have put files there first
     out.mkdir()
     run = {"input_len": 32768, "concurrency": 1, "output_throughput": 60.0, "median_ttft_ms": 900.0,
            "p99_ttft_ms": 950.0, "median_itl_ms": 7.0, "p99_itl_ms": 9.0}
@@ -115,6 +116,27 @@ def test_page_names_the_device_every_step_the_goals_and_what_failed(tmp_path):
     assert sorted(p.name for p in (docs / "gpu" / "run1").iterdir()) == ["serve_bench.json", "serve_bench.md",
                                                                     "serve_bench.png"]
     assert "no bench_kernels.json" in page
+
+
+def test_the_prefill_probe_s_choice_and_the_calibration_cost_are_on_the_page(tmp_path):
+    # from the JSON files the two scripts leave in the results (device_check.tar.gz)
+    res = tmp_path / "work" / "results"
+    res.mkdir(parents=True)
+    probe = {"prompt": 32768, "chunk": 8192, "prefix": 24576, "kv_heads": 8, "d": 128, "cuda": True,
+             "device": "NVIDIA H200", "kernel_ms": 9.5, "sdpa_ms": 6.25, "rel_err": 0.004, "choice": "sdpa",
+             "why": "the sdpa path is 1.52x as fast (>= 1.2)"}
+    (res / "prefill_probe.json").write_text(json.dumps(probe))
+    cal = {"model": "llama3-8b", "parameters": 8.03e9, "dtype": "bfloat16", "device_name": "NVIDIA H200",
+           "method": "oscar-center", "tokens": 8192, "capture_s": 12.5, "total_s": 40.1, "peak_gpu_mb": 17000,
+           "peak_rss_mb": 9000, "command": "calibrate_bench.py --tokens 8192"}
+    (res / "calibrate_bench.json").write_text(json.dumps(cal))
+    out = _device_run(tmp_path, "step prefill_probe 60 bash -c 'echo choice=sdpa'")
+    page = record.record([out], tmp_path / "docs", [], "2026-12-09").read_text()
+    assert ("### Prefill probe (before the servers)\n\none layer, 8192 new tokens over 24576 cached (8 KV heads, "
+            "d 128) on NVIDIA H200: Triton extend kernel 9.50 ms, sdpa path 6.25 ms, max relative difference "
+            "4.0e-03; the INT2 server's prefill: **sdpa** (the sdpa path is 1.52x as fast (>= 1.2))") in page
+    assert "### Calibration cost\n\nllama3-8b (8.03 B parameters, random weights, bfloat16) on NVIDIA H200" in page
+    assert record.probe_line({}) is None and record.probe_line({"prefill_probe.json": "{"}) is None
 
 
 def test_a_run_cut_by_the_device_tool_says_so(tmp_path):

@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     (a.out / "prefill_probe.json").write_text(json.dumps(res, indent=1) + "\n")
     ms = {k: "n/a" if res[f"{k}_ms"] is None else f"{res[f'{k}_ms']:.2f} ms" for k in ("kernel", "sdpa")}
     print(f"INT2 prefill, one layer, {chunk} new tokens over {prompt - chunk} cached: Triton kernel {ms['kernel']}, "
-          f"sdpa path {ms['sdpa']}, max relative difference {res['rel_err']}; {res['why']}")
+          f"sdpa path {ms['sdpa']}, max relative difference "
+          f"{'n/a' if res['rel_err'] is None else format(res['rel_err'], '.1e')}; {res['why']}")
     for k in ("kernel_note", "sdpa_note"):
         if res.get(k):
             print(f"{k}: {res[k]}")

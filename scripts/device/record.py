@@ -166,6 +166,24 @@ def calibration_line(logs: dict[str, str]) -> str | None:
             f"pipeline {c['total_s']} s{gpu}, peak RSS {c['peak_rss_mb']} MB (`{c['command']}`)")
 
 
+def probe_line(logs: dict[str, str]) -> str | None:
+    """What the prefill probe (``prefill_probe.py``, before the servers) measured and chose, or None."""
+    try:
+        p = json.loads(logs.get("prefill_probe.json") or "null")
+    except ValueError:
+        return None
+    if not p:
+        return None
+
+    def ms(key):
+        return "n/a" if p.get(key) is None else f"{p[key]:.2f} ms"
+
+    return (f"one layer, {p['chunk']} new tokens over {p['prefix']} cached ({p['kv_heads']} KV heads, d {p['d']}) "
+            f"on {p['device']}: Triton extend kernel {ms('kernel_ms')}, sdpa path {ms('sdpa_ms')}, max relative "
+            f"difference {'n/a' if p.get('rel_err') is None else format(p['rel_err'], '.1e')}; the INT2 server's "
+            f"prefill: **{p['choice']}** ({p['why']})")
+
+
 def demote(markdown: str) -> str:
     """A report as a section of a run's part of the page: its headings two levels down."""
     return "\n".join("##" + ln if ln.startswith("#") else ln for ln in markdown.splitlines()) + "\n"
@@ -205,6 +223,8 @@ def record(folders: list[Path], out: Path, commands: list[str], date: str) -> Pa
                 page += [demote(md.read_text())]
                 if (folder / f"{report}.png").is_file():
                     page += [f"![{report}](gpu/{name}/{report}.png)", ""]
+        if probe := probe_line(log):
+            page += ["### Prefill probe (before the servers)", "", probe, ""]
         if cal := calibration_line(log):
             page += ["### Calibration cost", "", cal, ""]
     path = out / "gpu_results.md"
