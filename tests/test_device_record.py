@@ -124,7 +124,7 @@ def test_the_prefill_probe_s_choice_and_the_calibration_cost_are_on_the_page(tmp
     res.mkdir(parents=True)
     probe = {"prompt": 32768, "chunk": 8192, "prefix": 24576, "kv_heads": 8, "d": 128, "cuda": True,
              "device": "NVIDIA H200", "kernel_ms": 9.5, "sdpa_ms": 6.25, "rel_err": 0.004, "choice": "sdpa",
-             "why": "the sdpa path is 1.52x as fast (>= 1.2)"}
+             "why": "the sdpa path is 1.52x as fast (>= 1.2)", "sdpa_kv_heads": "as they are"}
     (res / "prefill_probe.json").write_text(json.dumps(probe))
     cal = {"model": "llama3-8b", "parameters": 8.03e9, "dtype": "bfloat16", "device_name": "NVIDIA H200",
            "method": "oscar-center", "tokens": 8192, "capture_s": 12.5, "total_s": 40.1, "peak_gpu_mb": 17000,
@@ -133,7 +133,8 @@ def test_the_prefill_probe_s_choice_and_the_calibration_cost_are_on_the_page(tmp
     out = _device_run(tmp_path, "step prefill_probe 60 bash -c 'echo choice=sdpa'")
     page = record.record([out], tmp_path / "docs", [], "2026-12-09").read_text()
     assert ("### Prefill probe (before the servers)\n\none layer, 8192 new tokens over 24576 cached (8 KV heads, "
-            "d 128) on NVIDIA H200: Triton extend kernel 9.50 ms, sdpa path 6.25 ms, max relative difference "
+            "d 128) on NVIDIA H200: Triton extend kernel 9.50 ms, sdpa path 6.25 ms (KV heads as they are), max "
+            "relative difference "
             "4.0e-03; the INT2 server's prefill: **sdpa** (the sdpa path is 1.52x as fast (>= 1.2))") in page
     assert "### Calibration cost\n\nllama3-8b (8.03 B parameters, random weights, bfloat16) on NVIDIA H200" in page
     assert record.probe_line({}) is None and record.probe_line({"prefill_probe.json": "{"}) is None

@@ -207,13 +207,15 @@ def _sdpa_case(d, gqa, page, hot, formats, dtype):
             torch.tensor(SDPA_PREFIX, device=DEVICE), ext, d**-0.5, start)
 
 
+@pytest.mark.parametrize("kv", ["expanded", "gqa"])
 @pytest.mark.parametrize("mask", ["causal-bias", "booleans"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("d,gqa,page,hot,formats", SDPA_CASES, ids=[_case_id(c) for c in SDPA_CASES])
-def test_sdpa_path_matches_reference(monkeypatch, d, gqa, page, hot, formats, dtype, mask):
+def test_sdpa_path_matches_reference(monkeypatch, d, gqa, page, hot, formats, dtype, mask, kv):
     from oscar_sglang.kernels.extend import sdpa
 
     monkeypatch.setattr(sdpa, "CAUSAL_BIAS", mask == "causal-bias")  # the GPU's mask / the CPU's
+    monkeypatch.setattr(sdpa, "GQA_NATIVE", kv == "gqa")  # KV heads as they are (flash on a GPU) / expanded
     args = _sdpa_case(d, gqa, page, hot, formats, dtype)
     ref = reference.extend_attention(*args)
     out = api.extend_attention(*args, backend="sdpa", max_extend_len=40, block_rows=16)  # Triton tuning: ignored
@@ -223,10 +225,15 @@ def test_sdpa_path_matches_reference(monkeypatch, d, gqa, page, hot, formats, dt
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="flash attention needs CUDA")
-def test_sdpa_path_runs_on_flash_attention_on_a_gpu():
-    # With only the flash backend allowed, a bf16 prefill over a prefix either runs on it or raises.
+@pytest.mark.parametrize("kv", ["torch-decides", "expanded", "gqa"])
+def test_sdpa_path_runs_on_flash_attention_on_a_gpu(monkeypatch, kv):
+    # With only the flash backend allowed, a bf16 prefill over a prefix (GQA 4:1) either runs on it or raises:
+    # with the KV heads expanded, as they are (enable_gqa), and as the server runs it (torch's check decides).
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from oscar_sglang.kernels.extend import sdpa
+
+    monkeypatch.setattr(sdpa, "GQA_NATIVE", {"torch-decides": None, "expanded": False, "gqa": True}[kv])
     args = _sdpa_case(128, 4, 16, True, FORMATS[0], torch.bfloat16)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = api.extend_attention(*args, backend="sdpa")

@@ -44,6 +44,7 @@ def test_the_probe_runs_both_paths_on_cpu_and_keeps_the_kernel(tmp_path):
     assert res["cuda"] is False and res["prefix"] == res["prompt"] - res["chunk"] > 0
     assert res["kernel_ms"] > 0 and res["sdpa_ms"] > 0 and 0 < res["rel_err"] < 3e-2
     assert res["why"].startswith("no CUDA")
+    assert res["sdpa_kv_heads"] == "expanded to the query heads"  # torch's flash kernel is CUDA's
 
 
 def _function(name: str) -> str:

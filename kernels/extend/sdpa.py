@@ -6,11 +6,14 @@ request's prefix once (``reference.read_rotated``), rounds the rotated
 queries, keys and values to ``q``'s dtype when it is 16-bit (a server's
 bf16; fp32 inputs stay fp32) and runs ``scaled_dot_product_attention``
 over prefix + new tokens with the lower-right causal mask, which torch serves with its flash
-kernel on a GPU (a dense BF16 prefill's speed, plus the dequantization and
-a copy).  The GQA heads are expanded first (flash and efficient attention
-then take the shapes as they are).  Transient memory per request: the
-prefix + new tokens' keys and values for every query head (32 heads x 32k
-tokens x d 128 in bf16: 512 MiB).  Chosen on a server by
+kernel on a GPU (a dense BF16 prefill's speed, plus the dequantization).
+Where torch says its flash kernel takes the shapes with fewer key/value heads
+than query heads (``can_use_flash_attention`` with ``enable_gqa``: flash
+attention reads each KV head for its group of query heads), the KV heads go
+in as they are; elsewhere they are expanded to the query heads first, which
+every backend takes (transient memory per request: prefix + new tokens' keys
+and values for every query head, 32 heads x 32k tokens x d 128 in bf16:
+512 MiB, against 128 MiB for 8 KV heads as they are).  Chosen on a server by
 ``OSCAR_SGLANG_EXTEND_KERNEL=sdpa``; the numerics are the reference's with
 bf16 operands (``tests/test_kernels_extend.py``).
 """
@@ -29,6 +32,9 @@ from .reference import rotated_requests
 # torch's lower-right CausalBias (flash attention serves it) on a GPU; the same mask as booleans elsewhere,
 # since its module imports Triton, which a CPU server never does.  True / False: either everywhere (tests).
 CAUSAL_BIAS: bool | None = None
+# KV heads as they are (enable_gqa) where torch's flash kernel takes them, else expanded (None); True / False:
+# either everywhere (tests).
+GQA_NATIVE: bool | None = None
 
 
 def lower_right_causal(ext: int, total: int, device: torch.device):
@@ -40,6 +46,15 @@ def lower_right_causal(ext: int, total: int, device: torch.device):
     return torch.arange(total, device=device)[None, :] <= total - ext + torch.arange(ext, device=device)[:, None]
 
 
+def flash_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's flash kernel serves ``[1, heads, tokens, d]`` queries over fewer KV heads as they are."""
+    if q.device.type != "cuda":
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
+
+
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, sm_scale: float,
@@ -49,13 +64,17 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     work = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     out = torch.zeros(n, q_heads, d, dtype=work, device=q.device)
 
-    def heads(x):  # [tokens, kv_heads, d] -> [1, q_heads, tokens, d]
-        return expand_groups(x, q_heads).transpose(0, 1).unsqueeze(0)
+    def heads(x):  # [tokens, heads, d] -> [1, heads, tokens, d]
+        return x.transpose(0, 1).unsqueeze(0)
 
     for rows, qr, keys, vals in rotated_requests(q, k, v, store, rot, req_to_token, req_pool_indices, prefix_lens,
                                                  extend_lens, extend_start_loc, work):
         ext, total = qr.shape[0], keys.shape[0]
-        o = F.scaled_dot_product_attention(qr.transpose(0, 1).unsqueeze(0), heads(keys), heads(vals),
-                                           attn_mask=lower_right_causal(ext, total, q.device), scale=sm_scale)
+        q4, k4, v4 = heads(qr), heads(keys), heads(vals)
+        gqa = k4.shape[1] != q_heads and (flash_takes_gqa(q4, k4, v4) if GQA_NATIVE is None else GQA_NATIVE)
+        if k4.shape[1] != q_heads and not gqa:
+            k4, v4 = heads(expand_groups(keys, q_heads)), heads(expand_groups(vals, q_heads))
+        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=lower_right_causal(ext, total, q.device),
+                                           scale=sm_scale, enable_gqa=gqa)
         out[rows] = o[0].transpose(0, 1)
     return derotate_output(out, rot.v_rot).to(q.dtype)

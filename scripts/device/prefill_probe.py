@@ -78,6 +78,12 @@ def main(argv=None) -> int:
     c = pb.chunk(prompt - chunk, chunk)
     res = {"prompt": prompt, "chunk": chunk, "prefix": prompt - chunk, "kv_heads": kv, "d": 128, "cuda": cuda,
            "device": torch.cuda.get_device_name(0) if cuda else "cpu"}
+    from oscar_sglang.kernels.extend import sdpa
+
+    shape = (1, kv * 4, chunk, 128), (1, kv, prompt, 128)  # the sdpa path's SDPA call on this chunk
+    q4, k4 = (torch.empty(s, dtype=torch.bfloat16, device=device) for s in shape)
+    res["sdpa_kv_heads"] = "as they are" if sdpa.flash_takes_gqa(q4, k4, k4) else "expanded to the query heads"
+    del q4, k4
     outs = {}
     for name, fn in (("kernel", lambda: pb.int2(c, "bf16")), ("sdpa", lambda: pb.int2_sdpa(c))):
         try:
@@ -92,7 +98,7 @@ def main(argv=None) -> int:
     (a.out / "prefill_probe.json").write_text(json.dumps(res, indent=1) + "\n")
     ms = {k: "n/a" if res[f"{k}_ms"] is None else f"{res[f'{k}_ms']:.2f} ms" for k in ("kernel", "sdpa")}
     print(f"INT2 prefill, one layer, {chunk} new tokens over {prompt - chunk} cached: Triton kernel {ms['kernel']}, "
-          f"sdpa path {ms['sdpa']}, max relative difference "
+          f"sdpa path {ms['sdpa']} (KV heads {res['sdpa_kv_heads']}), max relative difference "
           f"{'n/a' if res['rel_err'] is None else format(res['rel_err'], '.1e')}; {res['why']}")
     for k in ("kernel_note", "sdpa_note"):
         if res.get(k):

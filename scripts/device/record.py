@@ -179,7 +179,8 @@ def probe_line(logs: dict[str, str]) -> str | None:
         return "n/a" if p.get(key) is None else f"{p[key]:.2f} ms"
 
     return (f"one layer, {p['chunk']} new tokens over {p['prefix']} cached ({p['kv_heads']} KV heads, d {p['d']}) "
-            f"on {p['device']}: Triton extend kernel {ms('kernel_ms')}, sdpa path {ms('sdpa_ms')}, max relative "
+            f"on {p['device']}: Triton extend kernel {ms('kernel_ms')}, sdpa path {ms('sdpa_ms')}"
+            f"{' (KV heads ' + p['sdpa_kv_heads'] + ')' if p.get('sdpa_kv_heads') else ''}, max relative "
             f"difference {'n/a' if p.get('rel_err') is None else format(p['rel_err'], '.1e')}; the INT2 server's "
             f"prefill: **{p['choice']}** ({p['why']})")
 
