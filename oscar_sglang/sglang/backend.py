@@ -55,8 +55,12 @@ not the end of the forward.  So every such read of a decode graph is in that
 prep: the hot pool's update (which reads ``req_to_token``) and a copy of the
 batch's ``req_to_token`` rows into a static page table, which the layers read
 instead of the live table.  What ``end_requests`` writes meanwhile (stamps of
-out-of-window entries) no layer reads.  Eager passes (prefill, decode without
-a graph) are fenced by SGLang as a whole.
+out-of-window entries) no layer reads; and since the scheduler frees rows
+(``process_batch_result``) on its stream only after waiting for that marker
+(``Scheduler._apply_war_barrier`` in 0.5.23's overlap loop), its zeroing of an
+ended request's length lands after the discarded step's update has written
+it, so that step cannot make the ended row look live again.  Eager passes
+(prefill, decode without a graph) are fenced by SGLang as a whole.
 """
 
 from __future__ import annotations
