@@ -71,9 +71,11 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
                                                  extend_lens, extend_start_loc, work):
         ext, total = qr.shape[0], keys.shape[0]
         q4, k4, v4 = heads(qr), heads(keys), heads(vals)
-        gqa = k4.shape[1] != q_heads and (flash_takes_gqa(q4, k4, v4) if GQA_NATIVE is None else GQA_NATIVE)
-        if k4.shape[1] != q_heads and not gqa:
-            k4, v4 = heads(expand_groups(keys, q_heads)), heads(expand_groups(vals, q_heads))
+        gqa = False
+        if k4.shape[1] != q_heads:
+            gqa = flash_takes_gqa(q4, k4, v4) if GQA_NATIVE is None else GQA_NATIVE
+            if not gqa:
+                k4, v4 = heads(expand_groups(keys, q_heads)), heads(expand_groups(vals, q_heads))
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=lower_right_causal(ext, total, q.device),
                                            scale=sm_scale, enable_gqa=gqa)
         out[rows] = o[0].transpose(0, 1)
