@@ -241,6 +241,19 @@ def test_sdpa_path_runs_on_flash_attention_on_a_gpu(monkeypatch, kv):
     assert torch.allclose(out.float(), ref.float(), atol=BF16_ATOL, rtol=BF16_RTOL)
 
 
+def test_gqa_check_hands_torch_the_call_as_it_is_made():
+    # flash_takes_gqa asks torch only on CUDA; what it asks is built here on any device, so a torch whose
+    # SDPAParams take other arguments (the GPU run's 2.11 in the dry run, CI's) fails here, not mid-prefill there.
+    from oscar_sglang.kernels.extend import sdpa
+
+    q, k, v = torch.zeros(1, 8, 5, 64), torch.ones(1, 2, 9, 64), torch.full((1, 2, 9, 64), 2.0)
+    p = sdpa.gqa_params(q, k, v)
+    assert (p.query.shape, p.key.shape, p.value.shape) == (q.shape, k.shape, v.shape)
+    assert p.key.eq(1).all() and p.value.eq(2).all()
+    assert p.attn_mask is None and p.dropout == 0.0 and p.is_causal is False and p.enable_gqa is True
+    assert sdpa.flash_takes_gqa(q, k, v) is False  # tensors off CUDA: expanded, torch not asked
+
+
 def test_bf16_dots_err_like_bf16_rounding_of_the_operands():
     # The dots choice is honoured: bf16 operands err visibly more than fp32 / TF32 ones (8 vs 10+ mantissa
     # bits), by about what bf16 rounding of the operands makes (2^-9 relative each): neither nothing nor more.

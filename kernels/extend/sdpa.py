@@ -46,13 +46,23 @@ def lower_right_causal(ext: int, total: int, device: torch.device):
     return torch.arange(total, device=device)[None, :] <= total - ext + torch.arange(ext, device=device)[:, None]
 
 
+def gqa_params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """torch's description of this path's SDPA call with the KV heads as they are, for its backend checks.
+
+    No mask, no dropout, not ``is_causal``: the lower-right ``CausalBias`` asks the same of flash.
+    """
+    from torch.backends.cuda import SDPAParams
+
+    return SDPAParams(q, k, v, None, 0.0, False, True)  # ..., attn_mask, dropout, is_causal, enable_gqa
+
+
 def flash_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether torch's flash kernel serves ``[1, heads, tokens, d]`` queries over fewer KV heads as they are."""
     if q.device.type != "cuda":
         return False
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+    from torch.backends.cuda import can_use_flash_attention
 
-    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True))
+    return can_use_flash_attention(gqa_params(q, k, v))
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
