@@ -137,10 +137,14 @@ fi
 # checkout's oscar_sglang/ folder never shadows the installed package (which maps kernels/ under it).
 cd "$WORK"
 
-# Compiling is most of this step's time on the GPU (~1-2 s per kernel specialization, one CPU thread each):
-# spread the tests over workers with pytest-xdist, which the device image has.
+# Compiling is most of this step's time on the GPU (~1-2 s per kernel specialization, one CPU thread each;
+# the tests launch ~290 distinct specializations, counted under the interpreter on 2026-12-04, docs/GPU.md):
+# spread the tests over one pytest-xdist worker per CPU core (16 on the H200 machine; at most 16), which the
+# device image has.
 XDIST=()
-"$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n "$([ "$GPU" = 1 ] && echo 8 || echo 2)")
+WORKERS=2
+if [ "$GPU" = 1 ]; then WORKERS=$(nproc); [ "$WORKERS" -le 16 ] || WORKERS=16; fi
+"$PY" -c 'import xdist' 2>/dev/null && XDIST=(-n "$WORKERS")
 # The steps that run Triton's interpreter where there is no GPU, with INTERPRETER_PYTHONPATH first (see the top).
 INTERP=()
 [ "$GPU" = 1 ] || [ -z "${INTERPRETER_PYTHONPATH:-}" ] || INTERP=(env "PYTHONPATH=$INTERPRETER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}")
