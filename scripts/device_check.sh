@@ -31,7 +31,7 @@
 # GQA 4:1; scripts/dummy_models.py llama-d128-small), short prompts, the interpreter.
 #
 # ONLY="kernel_tests servers" runs just those steps (env always; install and models only for a step that needs
-# them: servers, calibration): a rerun of what failed. Knobs for a short rerun on the warm machine (see docs/GPU.md):
+# them: install for servers and kernel_tests, models for servers and calibration): a rerun of what failed. Knobs for a short rerun on the warm machine (see docs/GPU.md):
 #   DEVICE_LIMIT_S   the rerun's timeout_s less ~10 s (590 by default): the servers step plans inside it
 #   SERVE_CACHES     the servers to run, of "bf16 oscar-int2" (e.g. only oscar-int2 when BF16's numbers are in)
 #   BENCH_BUDGET_S   the kernel benchmark's decode budget (80 s; its step's limit is 70 s more: the write,
@@ -76,10 +76,14 @@ stop_servers() {
     return 0
 }
 stop_servers  # a previous run cut short by the device tool's limit (the machine stays warm for a rerun)
-if [ -n "${ONLY:-}" ]; then  # the steps that the chosen ones need
-    [[ " $ONLY " == *" servers "* ]] && ONLY="install models prefill_probe $ONLY"
-    [[ " $ONLY " == *" calibration "* ]] && ONLY="models $ONLY"
-fi
+only_with_needs() {  # ONLY with the steps that the chosen ones need (printed)
+    local only="$1"
+    [[ " $only " == *" servers "* ]] && only="install models prefill_probe $only"
+    [[ " $only " == *" kernel_tests "* ]] && only="install $only"  # its CUDA-graph test serves through SGLang
+    [[ " $only " == *" calibration "* ]] && only="models $only"
+    echo "$only"
+}
+[ -n "${ONLY:-}" ] && ONLY="$(only_with_needs "$ONLY")"
 wanted() { [ -z "${ONLY:-}" ] || [[ " env $ONLY " == *" $1 "* ]]; }
 step() {  # name, time limit (s), command...
     local name="$1" limit="$2"; shift 2
@@ -150,12 +154,17 @@ INTERP=()
 [ "$GPU" = 1 ] || [ -z "${INTERPRETER_PYTHONPATH:-}" ] || INTERP=(env "PYTHONPATH=$INTERPRETER_PYTHONPATH${PYTHONPATH:+:$PYTHONPATH}")
 # -v: one line per finished test, so a step cut by its limit still names what passed and what failed;
 # --durations: which tests' compiles take the time, for planning the next run.
+kernel_test_paths() {  # what the kernel_tests step runs, one per line; the CUDA-graph test only with SGLang there
+    local t                 # (pytest collects nothing at all, not even the rest, when a named test's module skips)
+    for t in kernels_write kernels_decode kernels_extend kernels_repin kernels_hot_pass hot_plan; do
+        echo "$ROOT/tests/test_$t.py"
+    done
+    [ "$HAVE_SGLANG" = 1 ] && echo "$ROOT/tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode"
+    return 0
+}
+mapfile -t KERNEL_TESTS < <(kernel_test_paths)
 step kernel_tests $([ "$GPU" = 1 ] && echo 150 || echo 900) "${INTERP[@]}" "$PY" -m pytest -v -rfE --durations=15 \
-    -p no:cacheprovider "${XDIST[@]}" \
-    --rootdir "$ROOT" "$ROOT"/tests/test_kernels_write.py "$ROOT"/tests/test_kernels_decode.py \
-    "$ROOT"/tests/test_kernels_extend.py "$ROOT"/tests/test_kernels_repin.py "$ROOT"/tests/test_kernels_hot_pass.py \
-    "$ROOT"/tests/test_hot_plan.py \
-    "$ROOT"/tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode
+    -p no:cacheprovider "${XDIST[@]}" --rootdir "$ROOT" "${KERNEL_TESTS[@]}"
 
 # The model folder: dummy weights of the run's geometry and its Hadamard rotations (servers, calibration).
 if [ "$GPU" = 1 ]; then

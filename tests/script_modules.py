@@ -1,6 +1,7 @@
 """Scripts of ``scripts/`` imported by the tests: they are files, not a package."""
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -19,3 +20,10 @@ def load_script(relpath: str):
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
     return module
+
+
+def shell_function(relpath: str, name: str) -> str:
+    """The definition of function ``name`` in the bash script ``scripts/<relpath>``, to be run in bash by a test."""
+    m = re.search(rf"^{name}\(\) {{.*?^}}$", (SCRIPTS / relpath).read_text(), re.S | re.M)
+    assert m, f"{relpath} has no function {name}()"
+    return m.group(0)

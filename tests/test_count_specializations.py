@@ -1,17 +1,12 @@
 """scripts/device/count_specializations.py: kernel launches grouped by the compile key Triton gives them on a GPU."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("count_specializations",
-                                               ROOT / "scripts/device/count_specializations.py")
-counter = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(counter)
+from script_modules import load_script
+
+counter = load_script("device/count_specializations.py")
 
 
 @triton.jit

@@ -7,17 +7,15 @@ chooses the sdpa path for the INT2 server when it is clearly faster; the script'
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from script_modules import load_script
+from script_modules import load_script, shell_function
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = (ROOT / "scripts" / "device_check.sh").read_text()
 probe = load_script("device/prefill_probe.py")
 
 
@@ -48,9 +46,7 @@ def test_the_probe_runs_both_paths_on_cpu_and_keeps_the_kernel(tmp_path):
 
 
 def _function(name: str) -> str:
-    m = re.search(rf"^{name}\(\) {{.*?^}}$", SCRIPT, re.S | re.M)
-    assert m, f"device_check.sh has no function {name}()"
-    return m.group(0)
+    return shell_function("device_check.sh", name)
 
 
 @pytest.mark.parametrize("gpu, preset, caches, want_step, want_knob", [

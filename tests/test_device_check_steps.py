@@ -1,0 +1,57 @@
+"""Which steps and which tests device_check.sh runs: its ``only_with_needs`` and ``kernel_test_paths`` functions,
+cut out of the script and run in bash.
+
+A rerun on the warm GPU machine is one command with ``ONLY=...``; a step it names must get what it needs, and
+the kernel tests must run whether SGLang could be installed or not (pytest collects nothing at all when one
+named test's module skips, so a missing SGLang once meant no kernel test ran).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from script_modules import shell_function
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPH_TEST = "tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode"
+
+
+def _bash(*lines: str) -> list[str]:
+    r = subprocess.run(["bash", "-c", "\n".join(["set -u -o pipefail", *lines])], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+@pytest.mark.parametrize("only, needs", [
+    ("kernel_tests", {"install"}),                         # its CUDA-graph test serves through SGLang's backend
+    ("servers", {"install", "models", "prefill_probe"}),
+    ("calibration", {"models"}),
+    ("bench_kernels", set()),
+    ("kernel_tests bench_kernels", {"install"}),
+])
+def test_a_rerun_s_steps_get_what_they_need(only, needs):
+    steps = _bash(shell_function("device_check.sh", "only_with_needs"), f'only_with_needs "{only}"')
+    assert set(steps) == set(only.split()) | needs
+
+
+@pytest.mark.parametrize("have_sglang", [0, 1])
+def test_kernel_tests_run_with_or_without_sglang(have_sglang):
+    paths = _bash(f'ROOT="{ROOT}"; HAVE_SGLANG={have_sglang}',
+                  shell_function("device_check.sh", "kernel_test_paths"), "kernel_test_paths")
+    files = [p.split("::")[0] for p in paths]
+    assert all(Path(f).is_file() for f in files) and len(set(files)) == len(files) == 6 + have_sglang
+    assert (str(ROOT / GRAPH_TEST) in paths) == bool(have_sglang)
+    assert {Path(f).name for f in files} >= {"test_kernels_write.py", "test_kernels_decode.py",
+                                             "test_kernels_extend.py", "test_hot_plan.py"}
+    if not have_sglang:  # the list collects without SGLang: a stand-in that fails every import of it
+        hide = "import sys; sys.modules['sglang'] = None; import pytest; sys.exit(pytest.main(sys.argv[1:]))"
+        r = subprocess.run([sys.executable, "-c", hide, "--co", "-q", "-p", "no:cacheprovider",
+                            "--rootdir", str(ROOT), *paths], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and " collected" in r.stdout.splitlines()[-1], r.stdout[-2000:] + r.stderr[-2000:]
+        r = subprocess.run([sys.executable, "-c", hide, "--co", "-q", "-p", "no:cacheprovider",
+                            "--rootdir", str(ROOT), *paths, str(ROOT / GRAPH_TEST)],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0  # what the step ran before: with the graph test named, nothing is collected
