@@ -31,7 +31,8 @@
 # GQA 4:1; scripts/dummy_models.py llama-d128-small), short prompts, the interpreter.
 #
 # ONLY="kernel_tests servers" runs just those steps (env always; install and models only for a step that needs
-# them: install for servers and kernel_tests, models for servers and calibration): a rerun of what failed. Knobs for a short rerun on the warm machine (see docs/GPU.md):
+# them: install for servers and kernel_tests, models for servers and calibration): a rerun of what failed.
+# Knobs for a short rerun on the warm machine (see docs/GPU.md):
 #   DEVICE_LIMIT_S   the rerun's timeout_s less ~10 s (590 by default): the servers step plans inside it
 #   SERVE_CACHES     the servers to run, of "bf16 oscar-int2" (e.g. only oscar-int2 when BF16's numbers are in)
 #   BENCH_BUDGET_S   the kernel benchmark's decode budget (80 s; its step's limit is 70 s more: the write,

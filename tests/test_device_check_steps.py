@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from script_modules import shell_function
+from script_modules import load_script, shell_function
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH_TEST = "tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode"
@@ -46,7 +46,9 @@ def test_kernel_tests_run_with_or_without_sglang(have_sglang):
     assert (str(ROOT / GRAPH_TEST) in paths) == bool(have_sglang)
     assert {Path(f).name for f in files} >= {"test_kernels_write.py", "test_kernels_decode.py",
                                              "test_kernels_extend.py", "test_hot_plan.py"}
-    if not have_sglang:  # the list collects without SGLang: a stand-in that fails every import of it
+    if not have_sglang:  # what scripts/device/count_specializations.py counts; it collects without SGLang
+        assert paths == [str(ROOT / t) for t in load_script("device/count_specializations.py").KERNEL_TESTS]
+        # (sys.modules["sglang"] = None: a stand-in that fails every import of it)
         hide = "import sys; sys.modules['sglang'] = None; import pytest; sys.exit(pytest.main(sys.argv[1:]))"
         r = subprocess.run([sys.executable, "-c", hide, "--co", "-q", "-p", "no:cacheprovider",
                             "--rootdir", str(ROOT), *paths], capture_output=True, text=True, timeout=300)

@@ -13,27 +13,29 @@ on CUDA are skipped here and not counted.
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# device_check.sh's kernel_tests step without its CUDA-only graph test (tests/test_device_check_steps.py holds
+# the two lists together)
 KERNEL_TESTS = ["tests/test_kernels_write.py", "tests/test_kernels_decode.py", "tests/test_kernels_extend.py",
                 "tests/test_kernels_repin.py", "tests/test_kernels_hot_pass.py", "tests/test_hot_plan.py"]
 
 
-def _binder(fn, cache={}):
+@functools.cache
+def _binder(fn):
     """Triton's argument binder for ``fn`` (a plain Python function) as the CUDA backend at sm_90 builds it."""
-    if fn not in cache:
-        from triton.backends import backends
-        from triton.backends.compiler import GPUTarget
-        from triton.runtime.jit import JITFunction, create_function_from_signature
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction, create_function_from_signature
 
-        jit = JITFunction(fn)
-        backend = backends["nvidia"].compiler(GPUTarget("cuda", 90, 32))
-        cache[fn] = create_function_from_signature(jit.signature, jit.params, backend)
-    return cache[fn]
+    jit = JITFunction(fn)
+    backend = backends["nvidia"].compiler(GPUTarget("cuda", 90, 32))
+    return create_function_from_signature(jit.signature, jit.params, backend)
 
 
 def specialization_key(fn, args, kwargs) -> tuple[str, str]:
