@@ -11,7 +11,8 @@
 #   env            GPU, driver, glibc, Python packages
 #   install        the bundle's wheels + this project + the sgl_kernel stand-in into a fresh folder
 #                  (scripts/device/install_bundle.sh), SGLang's torch-fallback environment
-#                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout
+#                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout. Into
+#                  /tmp/oscar-device-site (DEVICE_SITE), which a rerun on the warm machine reuses if nothing changed
 #   kernel_tests   every Triton kernel (write, decode, extend) natively against its torch reference
 #                  and the hot pool's update (its reference; recorded in a CUDA graph, replayed), and the
 #                  INT2 backend's whole decode step recorded in real CUDA graphs vs eager (needs the install)
@@ -35,6 +36,8 @@
 # Knobs for a short rerun on the warm machine (see docs/GPU.md):
 #   DEVICE_LIMIT_S   the rerun's timeout_s less ~10 s (590 by default): the servers step plans inside it
 #   SERVE_CACHES     the servers to run, of "bf16 oscar-int2" (e.g. only oscar-int2 when BF16's numbers are in)
+#   SERVE_ARGS       more arguments of serve_bench.py, after the run's own (a later one wins), e.g.
+#                    "--input-lens 32768 --largest-only --cuda-graph-max-bs 32": only the run the first one lacked
 #   BENCH_BUDGET_S   the kernel benchmark's decode budget (80 s; its step's limit is 70 s more: the write,
 #                    hot-update and prefill sections after it, the prefill one capped at 20 s)
 # Without CUDA only: INTERPRETER_PYTHONPATH goes first on the path of the two steps that run Triton's interpreter
@@ -106,7 +109,12 @@ step() {  # name, time limit (s), command...
 # prefill. The servers step inherits the choice. Not when the knob is set already or no INT2 server is to run;
 # without CUDA it runs (tiny shapes, the interpreter) but never chooses.
 probe_prefill() {  # time limit (s)
-    [ -z "${OSCAR_SGLANG_EXTEND_KERNEL:-}" ] && [[ " ${SERVE_CACHES:-oscar-int2} " == *" oscar-int2 "* ]] || return 0
+    [[ " ${SERVE_CACHES:-oscar-int2} " == *" oscar-int2 "* ]] || return 0
+    if [ -n "${OSCAR_SGLANG_EXTEND_KERNEL:-}" ]; then
+        echo "== prefill_probe: skipped (OSCAR_SGLANG_EXTEND_KERNEL=$OSCAR_SGLANG_EXTEND_KERNEL set for the servers)" \
+            | tee -a "$RES/summary.txt"
+        return 0
+    fi
     step prefill_probe "$1" "${INTERP[@]}" "$PY" "$ROOT/scripts/device/prefill_probe.py" --out "$RES"
     if [ "$GPU" = 1 ] && grep -qx 'choice=sdpa' "$RES/prefill_probe.log" 2>/dev/null; then
         export OSCAR_SGLANG_EXTEND_KERNEL=sdpa
@@ -124,9 +132,12 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clo
     triton.__version__, transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"NO CUDA\")'"
 
 HAVE_SGLANG=0
-if [ -d "$BUNDLE/wheels" ] && wanted install && step install 240 env PYTHON="$PY" bash "$ROOT/scripts/device/install_bundle.sh" "$BUNDLE" "$WORK/site"; then
+# Outside WORK, so a rerun on the warm machine finds it and skips pip when bundle and source are the same
+# (install_bundle.sh's stamp).
+SITE="${DEVICE_SITE:-/tmp/oscar-device-site}"
+if [ -d "$BUNDLE/wheels" ] && wanted install && step install 240 env PYTHON="$PY" bash "$ROOT/scripts/device/install_bundle.sh" "$BUNDLE" "$SITE"; then
     # shellcheck source=scripts/device/server_env.sh
-    source "$ROOT/scripts/device/server_env.sh" "$WORK/site"
+    source "$ROOT/scripts/device/server_env.sh" "$SITE"
     HAVE_SGLANG=1
 else
     why="no bundle at $BUNDLE"; [ -d "$BUNDLE/wheels" ] && why="the install step failed"; wanted install || why="ONLY=$ONLY"
@@ -193,10 +204,10 @@ if [ "$HAVE_SGLANG" = 1 ] && [ "$HAVE_MODELS" = 1 ]; then
     else
         serve_s=400
     fi
-    # shellcheck disable=SC2086  # SERVE_CACHES is a list of words
+    # shellcheck disable=SC2086  # SERVE_CACHES and SERVE_ARGS are lists of words
     step servers $((serve_s + 30)) "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
         --rotations "$WORK/models/$GEOM-hadamard" --dummy --dataset-path "$BUNDLE/sharegpt_shakespeare.json" \
-        --out "$RES" --time-limit "$serve_s" --caches ${SERVE_CACHES:-bf16 oscar-int2} "${SERVE[@]}"
+        --out "$RES" --time-limit "$serve_s" --caches ${SERVE_CACHES:-bf16 oscar-int2} "${SERVE[@]}" ${SERVE_ARGS:-}
     # Tensor parallelism on a machine with several GPUs: the INT2 server over 2 ranks (each rank serves the
     # rotations of its KV heads), 8k input only.
     if [ "$GPU" = 1 ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then

@@ -113,9 +113,39 @@ def test_a_rerun_of_one_server_is_judged_against_the_first_runs_other_cache(tmp_
     assert "INT2 x21 1750 tok/s vs BF16 x3 333 tok/s: 5.25x (output tok/s over the whole run: 800 vs 150) | met |" in out
     assert "32k: INT2 6.50 ms vs BF16 7.00 ms | met |" in out
     assert f"server results from: bf16: {first}; oscar-int2: {rerun}" in out
-    # the order says which wins: the first run last hides the rerun's INT2 behind its failed one
+    # a later server that measured nothing hides nothing: the first run's failed INT2 after the rerun's
     assert goals.main([str(rerun), str(first)]) == 0
-    assert capsys.readouterr().out.count("| not measured |") == 4
+    assert "5.25x (output tok/s over the whole run: 800 vs 150) | met |" in capsys.readouterr().out
+
+
+def test_a_rerun_of_only_the_missing_run_keeps_the_first_runs_other_runs(tmp_path, capsys):
+    """The first run's INT2 server was cut before its largest 32k wave; the rerun (--largest-only --input-lens
+    32768) serves that wave alone. Goal 3 takes the rerun's wave, goal 4 keeps the first run's batch-1 ITL, and
+    where the two runs measured the same case the later one wins."""
+    first, rerun = tmp_path / "first", tmp_path / "rerun"
+    first.mkdir(), rerun.mkdir()
+    _serve_json(first, [(32768, 1, 60.0, 7.0), (32768, 3, 150.0, 9.0)], [(32768, 1, 65.0, 6.5)])
+    report = json.loads((first / "serve_bench.json").read_text())
+    report["results"][1]["runs"].append({"input_len": 32768, "concurrency": 21, "skipped": "time limit (12 s left)"})
+    (first / "serve_bench.json").write_text(json.dumps(report))
+    assert goals.server_goals(report)[0]["verdict"] == "not measured"
+    _serve_json(rerun, [], [(32768, 21, 800.0, 12.0)])  # its bf16 entry served nothing: hides nothing
+    assert goals.main([str(first), str(rerun)]) == 0
+    out = capsys.readouterr().out
+    assert "INT2 x21 1750 tok/s vs BF16 x3 333 tok/s: 5.25x" in out and "| met |" in out
+    assert "32k: INT2 6.50 ms vs BF16 7.00 ms | met |" in out
+    assert f"server results from: bf16: {first}; oscar-int2: {first} (32k x1), {rerun} (32k x21)" in out
+    # a case both measured: the later folder's number
+    again = tmp_path / "again"
+    again.mkdir()
+    _serve_json(again, [], [(32768, 1, 60.0, 7.5)])
+    assert goals.main([str(first), str(rerun), str(again)]) == 0
+    out = capsys.readouterr().out
+    assert "32k: INT2 7.50 ms vs BF16 7.00 ms | not met |" in out
+    assert f"oscar-int2: {rerun} (32k x21), {again} (32k x1)" in out
+    # and the same runs in the other order: the first run's batch-1 ITL wins now
+    assert goals.main([str(again), str(rerun), str(first)]) == 0
+    assert "32k: INT2 6.50 ms vs BF16 7.00 ms | met |" in capsys.readouterr().out
 
 
 def test_the_prefill_line_names_the_fastest_tile_as_the_knob_takes_it(tmp_path, capsys):

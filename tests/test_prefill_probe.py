@@ -75,3 +75,6 @@ def test_device_check_exports_the_probe_s_choice_for_the_servers(tmp_path, gpu, 
     summary = (res / "summary.txt").read_text() if (res / "summary.txt").exists() else ""
     assert ("== prefill_probe (limit 60 s" in summary) == want_step
     assert ("prefills through the sdpa path" in summary) == (want_knob == "sdpa")
+    # a knob set around the script (a rerun naming the first run's choice) is said to skip the probe
+    assert (f"prefill_probe: skipped (OSCAR_SGLANG_EXTEND_KERNEL={preset} set" in summary) == (
+        bool(preset) and caches != "bf16")

@@ -258,6 +258,25 @@ def test_each_server_gets_a_share_and_its_largest_run_all_of_it(tmp_path, monkey
     assert [r["decode_tok_s"] for res in report["results"] for r in res["runs"]] == [250.0, 750.0, 250.0, 750.0]
 
 
+def test_largest_only_serves_just_the_largest_concurrency_with_all_of_its_share(tmp_path, monkeypatch):
+    """A short rerun that lacks only a largest-concurrency run (--largest-only): no concurrency-1 run before it,
+    so the wave gets the server's whole share (on serve_bench's own clock, as above)."""
+    timeouts, now = [], [1000.0]
+    monkeypatch.setattr(serve_bench, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def fake_bench(url, args, input_len, conc, prompts, out_file, timeout=None):
+        timeouts.append((input_len, conc, prompts, timeout))
+        now[0] += 10.0
+        return {"output_throughput": 1.0, "median_ttft_ms": 1.0, "p99_ttft_ms": 1.0, "median_itl_ms": 4.0,
+                "p99_itl_ms": 5.0}
+
+    rc = _serve_main(tmp_path, monkeypatch, fake_bench, "--time-limit", "100", "--caches", "oscar-int2",
+                     "--largest-only")
+    assert rc == 0 and timeouts == [(64, 3, 3, 100 - 5)]
+    runs = json.loads((tmp_path / "serve_bench.json").read_text())["results"][0]["runs"]
+    assert [(r["input_len"], r["concurrency"]) for r in runs] == [(64, 3)]
+
+
 def test_cache_deadline_is_an_even_share_of_what_is_left():
     assert serve_bench.cache_deadline(10.0, 110.0, 2) == 60.0
     assert serve_bench.cache_deadline(10.0, 110.0, 1) == 110.0

@@ -55,8 +55,12 @@ py=$venv/bin/python
 
 [ -f out/device_bundle/bundle.json ] || bash scripts/device/build_bundle.sh
 rm -rf "$out"
+# The install's folder: a whole run starts without one, as on a fresh device machine; a rerun row (ONLY=...)
+# finds the one the run before it filled, as on the warm machine (install_bundle.sh reuses it if its stamp fits).
+device_site=$work/device-site
+[ -n "${ONLY:-}" ] || rm -rf "$device_site"
 rc=0
-OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} INTERPRETER_PYTHONPATH=$interp \
+OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} INTERPRETER_PYTHONPATH=$interp DEVICE_SITE=$device_site \
   bash scripts/device_check.sh || rc=$?
 # 3. Every kernel compiled for sm_90 by the device's Triton (3.6) down to a cubin: the GPU runs compiled kernels,
 #    which the interpreter above does not exercise (kernels/compile_check.py; ~1 min).

@@ -3,9 +3,10 @@
     python scripts/device/goals.py RESULTS_DIR      # reads bench_kernels.json and serve_bench.json there
     python scripts/device/goals.py FIRST RERUN      # a rerun's reports over the first run's
 
-With several folders the later ones win: the last bench_kernels.json, and each cache's server results from the
-last folder that served it (a rerun with SERVE_CACHES=oscar-int2 is judged against the first run's BF16; the
-table then says which folder each cache came from, since those are two runs, not one).
+With several folders the later ones win: the last bench_kernels.json, and each server run (cache, input,
+concurrency) from the last folder that measured it (a rerun with SERVE_CACHES=oscar-int2 is judged against the
+first run's BF16, and one that served only INT2's largest 32k run keeps the first run's INT2 batch-1 ITL; the
+table then says which folder each cache's runs came from, since those are two runs, not one).
 
 1. INT2 decode kernel >= 75 % of the measured copy bandwidth at context >= 32k;
 2. INT2 decode >= 4x faster than the best BF16 baseline of the same run at batch 1, context >= 32k;
@@ -135,19 +136,52 @@ def server_goals(serve: dict | None, long: int = LONG) -> list[dict]:
             {"goal": goal4, "measured": m4, "verdict": _verdict([a <= c for _, a, c in pairs])}]
 
 
-def merge_serve(reports: list[tuple[str, dict | None]]) -> tuple[dict | None, dict[str, str]]:
-    """One serve_bench report from several (name, report), later ones first: each cache from the last that has it.
+def merge_serve(reports: list[tuple[str, dict | None]]) -> tuple[dict | None, dict[str, list]]:
+    """One serve_bench report from several (name, report), later ones first: each run of a cache (its input
+    and concurrency) from the last report that measured it; a later run that was not measured (skipped, cut,
+    failed) hides only what was not measured either. So a rerun that serves just what the first run lacked
+    (``--largest-only --input-lens 32768``) is judged with the first run's other runs of the same cache.
 
-    Returns the merged report and, per cache, the name of the report it came from."""
-    results: dict[str, dict] = {}
-    source: dict[str, str] = {}
+    Returns the merged report and, per cache, where its runs came from: ``[(name, [(input, concurrency),
+    ...]), ...]`` in the order of the reports (a cache without runs: its last report, no runs)."""
+    servers: dict[str, dict] = {}   # cache -> the last report's result of it
+    last: dict[str, str] = {}
+    runs: dict[str, dict[tuple, tuple[dict, str]]] = {}
     for name, rep in reports:
         for res in (rep or {}).get("results", []):
-            results[res["cache"]] = res
-            source[res["cache"]] = name
-    if not results:
+            cache = res["cache"]
+            servers[cache], last[cache] = res, name
+            mine = runs.setdefault(cache, {})
+            for run in res.get("runs", []):
+                key = (run["input_len"], run["concurrency"])
+                if key not in mine or "output_throughput" in run or "output_throughput" not in mine[key][0]:
+                    mine[key] = (run, name)
+    if not servers:
         return None, {}
-    return {"results": list(results.values())}, source
+    names = [name for name, _ in reports]
+    merged, source = [], {}
+    for cache, res in servers.items():
+        merged.append(dict(res, runs=[run for run, _ in runs[cache].values()]))
+        by_name: dict[str, list] = {}
+        for key, (_, name) in runs[cache].items():
+            by_name.setdefault(name, []).append(key)
+        source[cache] = sorted(by_name.items(), key=lambda kv: names.index(kv[0])) or [(last[cache], [])]
+    return {"results": merged}, source
+
+
+def source_line(source: dict[str, list]) -> str:
+    """Which report each cache's server numbers came from, when that is more than one report, or ''."""
+    if len({name for parts in source.values() for name, _ in parts}) < 2:
+        return ""
+
+    def part(name, keys, alone):
+        if alone:
+            return name
+        return f"{name} (" + ", ".join(f"{_tokens(n)} x{c}" for n, c in keys) + ")"
+
+    return "server results from: " + "; ".join(
+        f"{cache}: " + ", ".join(part(name, keys, len(parts) == 1) for name, keys in parts)
+        for cache, parts in sorted(source.items())) + "\n"
 
 
 def markdown(goals: list[dict]) -> str:
@@ -244,8 +278,9 @@ def goal_table(runs: list[tuple[str, Path]]) -> str:
     extra = decode_tile_line(kernels) + prefill_line(kernels)
     if extra:
         table += "\n" + extra
-    if len(set(source.values())) > 1:
-        table += "\nserver results from: " + "; ".join(f"{c}: {src}" for c, src in sorted(source.items())) + "\n"
+    origin = source_line(source)
+    if origin:
+        table += "\n" + origin
     return table
 
 

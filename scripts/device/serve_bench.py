@@ -152,6 +152,9 @@ def parse_args(argv=None):
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--max-concurrency-cap", type=int, default=256)
     p.add_argument("--single-prompts", type=int, default=2, help="requests of the concurrency-1 runs")
+    p.add_argument("--largest-only", action="store_true",
+                   help="only the largest-concurrency run at each input, no concurrency-1 run: a short rerun that "
+                        "lacks just that run (goals.py keeps the first run's others)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=128)
     p.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (--tp-size) for every server")
@@ -229,7 +232,7 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool, remedies=(), l
         for input_len in args.input_lens:
             per_req = input_len + args.output_len
             most = min(res["capacity"] // per_req, args.max_concurrency_cap)
-            for conc in sorted({1, most}):
+            for conc in ([most] if args.largest_only else sorted({1, most})):
                 run = {"input_len": input_len, "concurrency": conc, "max_by_capacity": res["capacity"] // per_req}
                 left = deadline - time.perf_counter()
                 if conc < 1:
