@@ -203,3 +203,50 @@ def test_the_decode_tile_line_names_the_tile_fastest_over_every_swept_case(tmp_p
     (tmp_path / "bench_kernels.json").write_text(json.dumps({"tuning": tuning}))
     assert goals.main([str(tmp_path)]) == 0
     assert "OSCAR_SGLANG_DECODE_KERNEL=block_n=32,num_warps=8,num_stages=2)" in capsys.readouterr().out
+
+
+def test_a_missing_int2_wave_is_sized_for_a_rerun_from_the_first_runs_own_numbers(tmp_path):
+    """INT2's 32k wave skipped for time: the rerun line estimates the wave alone (start + one concurrency-1 TTFT
+    per request + the output at its ITL) against what a servers rerun has, and gives the command with the first
+    run's knobs (the prefill choice among them, so the probe is skipped)."""
+    serve = _serve_json(tmp_path, [(32768, 1, 60.0, 7.0), (32768, 3, 150.0, 9.0)], [(32768, 1, 65.0, 10.0)])
+    int2 = serve["results"][1]
+    int2["runs"][0]["median_ttft_ms"] = 1500.0
+    int2["runs"].append({"input_len": 32768, "concurrency": 26, "max_by_capacity": 26,
+                         "skipped": "time limit (12 s left)"})
+    # 55 s start + 26 x 1.5 s + 256 x 10 ms = 96.6 s: fits 115 s
+    line = goals.rerun_line(serve)
+    assert "INT2's 32k wave (x26) is missing" in line and "needs ~97 s, which fits the ~115 s" in line
+    assert line.rstrip().endswith(
+        'DEVICE_LIMIT_S=160 OSCAR_SGLANG_EXTEND_KERNEL=dots=bf16 SERVE_ARGS="--input-lens 32768 --largest-only '
+        '--cuda-graph-max-bs 26" ONLY=servers SERVE_CACHES=oscar-int2 bash scripts/device_check.sh')
+    # the first run's knobs go with it; a JIT remedy repeats its failed start (2 x 55 s: no longer fits)
+    int2.update(knobs={"OSCAR_SGLANG_EXTEND_KERNEL": "sdpa"}, remedies=["jit"])
+    line = goals.rerun_line(serve)
+    assert "(2 starts)" in line and "needs ~152 s, which does not fit" in line
+    assert "DEVICE_LIMIT_S=160 OSCAR_SGLANG_EXTEND_KERNEL=sdpa SERVE_ARGS=" in line
+    # the hot update's remedy travels as its knob: no failed start again
+    int2.update(knobs={"OSCAR_SGLANG_GRAPH_HOT_UPDATE": "eager"}, remedies=["hot-eager"])
+    line = goals.rerun_line(serve)
+    assert "needs ~97 s" in line and ("OSCAR_SGLANG_EXTEND_KERNEL=dots=bf16 OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager "
+                                      "SERVE_ARGS=") in line
+    # nothing to say once the wave is measured, or when INT2 never started
+    int2["runs"][-1] = {"input_len": 32768, "concurrency": 26, "output_throughput": 800.0, "median_itl_ms": 12.0}
+    assert goals.rerun_line(serve) == ""
+    assert goals.rerun_line({"results": [{"cache": "oscar-int2", "error": "no start", "runs": []}]}) == ""
+    assert goals.rerun_line(None) == ""
+
+
+def test_the_rerun_line_reaches_the_goal_table(tmp_path):
+    _serve_json(tmp_path, [(32768, 1, 60.0, 7.0), (32768, 3, 150.0, 9.0)], [(32768, 1, 65.0, 6.5)])
+    table = goals.goal_table([("first", tmp_path)])
+    # _serve_json's capacity 690,000 holds 20 requests of 32k + 256; TTFT 1 ms: 55 s start + 20 ms + 1.7 s
+    assert "rerun (not a goal): INT2's 32k wave (x20) is missing" in table and "needs ~57 s, which fits" in table
+
+
+def test_no_rerun_line_without_a_run_at_32k_or_with_nothing_to_size_it_by(tmp_path):
+    serve = _serve_json(tmp_path, [(256, 1, 60.0, 7.0)], [(256, 1, 65.0, 6.5), (256, 4, 90.0, 9.0)])
+    assert goals.rerun_line(serve) == ""                      # the dry run's prompts: no 32k run asked for
+    serve["results"][1]["runs"] = [{"input_len": 32768, "concurrency": 1, "skipped": "time limit (3 s left)"},
+                                   {"input_len": 32768, "concurrency": 20, "skipped": "time limit (3 s left)"}]
+    assert "no concurrency-1 run at 32k to size a rerun by" in goals.rerun_line(serve)
