@@ -30,12 +30,17 @@ def _install(tmp_path: Path, bundle: Path, site: Path) -> tuple[list[str], str]:
     return (log.read_text().splitlines() if log.exists() else []), r.stdout
 
 
-def test_a_folder_filled_from_the_same_bundle_is_kept_and_any_other_refilled(tmp_path):
+def _fake_python_and_bundle(tmp_path: Path) -> tuple[Path, Path, Path]:
     python = tmp_path / "python"
     python.write_text(FAKE_PYTHON)
     python.chmod(0o755)
     bundle, site = tmp_path / "bundle", tmp_path / "site"
     (bundle / "wheels").mkdir(parents=True)
+    return python, bundle, site
+
+
+def test_a_folder_filled_from_the_same_bundle_is_kept_and_any_other_refilled(tmp_path):
+    python, bundle, site = _fake_python_and_bundle(tmp_path)
     (bundle / "wheels" / "a-1.0-py3-none-any.whl").write_text("not a real wheel")
     (bundle / "bundle.json").write_text(json.dumps({"files": {"a": "sha-1"}}))
 
@@ -58,11 +63,7 @@ def test_a_folder_filled_from_the_same_bundle_is_kept_and_any_other_refilled(tmp
 
 
 def test_a_folder_without_the_stamp_is_installed_into_not_emptied(tmp_path):
-    python = tmp_path / "python"
-    python.write_text(FAKE_PYTHON)
-    python.chmod(0o755)
-    bundle, site = tmp_path / "bundle", tmp_path / "site"
-    (bundle / "wheels").mkdir(parents=True)
+    _, bundle, site = _fake_python_and_bundle(tmp_path)
     site.mkdir()
     (site / "someone_elses").write_text("")
     calls, _ = _install(tmp_path, bundle, site)
