@@ -192,39 +192,64 @@ RERUN_SERVE_S = RERUN_LIMIT_S - 15 - 30
 EXTEND_KNOB = "OSCAR_SGLANG_EXTEND_KERNEL"
 
 
-def rerun_line(serve: dict | None, long: int = LONG) -> str:
-    """Not a goal: when INT2's largest-concurrency wave at ``long`` input is missing, whether a servers rerun of
-    that wave alone fits what a rerun leaves (``RERUN_SERVE_S``), estimated from the first run's own numbers
-    (its INT2 server's start, and per request of the wave one concurrency-1 TTFT at ``long``, plus the output
-    at its ITL), and the rerun's command; '' when the wave was measured or INT2 never served."""
+def int2_knobs(serve: dict | None) -> dict[str, str]:
+    """The kernel knobs the INT2 server ran with (the prefill probe's choice among them), with the extend knob
+    always set (``dots=bf16``: the kernel's default), so a servers rerun given them skips the prefill probe."""
+    res = next((r for r in (serve or {}).get("results", []) if r["cache"] == "oscar-int2"), {})
+    knobs = dict(res.get("knobs", {}))
+    knobs.setdefault(EXTEND_KNOB, "dots=bf16")
+    return knobs
+
+
+def servers_rerun_command(knobs: dict[str, str], serve_args: str) -> str:
+    env = " ".join(f"{k}={v}" for k, v in sorted(knobs.items()))
+    return (f"DEVICE_LIMIT_S={RERUN_LIMIT_S} {env} SERVE_ARGS=\"{serve_args}\" ONLY=servers SERVE_CACHES=oscar-int2 "
+            "bash scripts/device_check.sh")
+
+
+def wave_rerun(serve: dict | None, long: int = LONG) -> dict | None:
+    """When INT2's largest-concurrency wave at ``long`` input is missing: ``text`` (what is missing, and whether a
+    servers rerun of that wave alone fits what a rerun leaves, ``RERUN_SERVE_S``, estimated from the first run's
+    own numbers: its INT2 server's start, one concurrency-1 TTFT at ``long`` per request of the wave, 256 outputs
+    at its ITL), ``fits`` and ``command`` (None when nothing sizes it); None when the wave was measured, INT2
+    never started, or was not served at ``long``."""
     res = next((r for r in (serve or {}).get("results", []) if r["cache"] == "oscar-int2"), None)
     if res is None or res.get("start_s") is None:
-        return ""
+        return None
     runs = [r for r in res.get("runs", []) if r["input_len"] == long]
     if not runs:   # not served at that input (the dry run's short prompts)
-        return ""
+        return None
     if any(r["concurrency"] > 1 and r.get("output_throughput") is not None for r in runs):
-        return ""
+        return None
     wave = next((r for r in runs if r["concurrency"] > 1), None)
     n = wave["concurrency"] if wave else res.get("capacity", 0) // (long + 256)
     single = next((r for r in runs if r["concurrency"] == 1 and r.get("median_ttft_ms")), None)
     if n < 2 or single is None:
-        return (f"rerun (not a goal): INT2's {_tokens(long)} wave is missing, and no concurrency-1 run at "
-                f"{_tokens(long)} to size a rerun by\n")
+        return {"fits": False, "command": None,
+                "text": f"INT2's {_tokens(long)} wave is missing, and no concurrency-1 run at {_tokens(long)} "
+                        "to size a rerun by"}
     # each remedy the first run needed cost a failed start, which the rerun repeats, but for the hot update's:
     # its knob (in "knobs") goes with the rerun from the start
     starts = 1 + len([r for r in res.get("remedies", []) if r != "hot-eager"])
     need = starts * res["start_s"] + n * single["median_ttft_ms"] / 1000 + 256 * single["median_itl_ms"] / 1000
-    knobs = dict(res.get("knobs", {}))
-    knobs.setdefault(EXTEND_KNOB, "dots=bf16")   # set: the rerun skips the prefill probe (dots=bf16: the default)
-    env = " ".join(f"{k}={v}" for k, v in sorted(knobs.items()))
-    cmd = (f"DEVICE_LIMIT_S={RERUN_LIMIT_S} {env} SERVE_ARGS=\"--input-lens {long} --largest-only "
-           f"--cuda-graph-max-bs {n}\" ONLY=servers SERVE_CACHES=oscar-int2 bash scripts/device_check.sh")
-    verdict = "fits" if need <= RERUN_SERVE_S else "does not fit"
-    return (f"rerun (not a goal): INT2's {_tokens(long)} wave (x{n}) is missing; its server started in "
-            f"{res['start_s']:.0f} s{f' ({starts} starts)' if starts > 1 else ''}, one {_tokens(long)} prompt's "
-            f"TTFT was {single['median_ttft_ms'] / 1000:.1f} s, so the wave alone needs ~{need:.0f} s, which "
-            f"{verdict} the ~{RERUN_SERVE_S} s a servers rerun has: {cmd}\n")
+    fits = need <= RERUN_SERVE_S
+    return {"fits": fits,
+            "command": servers_rerun_command(int2_knobs(serve),
+                                             f"--input-lens {long} --largest-only --cuda-graph-max-bs {n}"),
+            "text": f"INT2's {_tokens(long)} wave (x{n}) is missing; its server started in {res['start_s']:.0f} s"
+                    f"{f' ({starts} starts)' if starts > 1 else ''}, one {_tokens(long)} prompt's TTFT was "
+                    f"{single['median_ttft_ms'] / 1000:.1f} s, so the wave alone needs ~{need:.0f} s, which "
+                    f"{'fits' if fits else 'does not fit'} the ~{RERUN_SERVE_S} s a servers rerun has"}
+
+
+def rerun_line(serve: dict | None, long: int = LONG) -> str:
+    """Not a goal: :func:`wave_rerun` in a line, with its command, or ''."""
+    w = wave_rerun(serve, long)
+    if w is None:
+        return ""
+    if w["command"] is None:
+        return f"rerun (not a goal): {w['text']}\n"
+    return f"rerun (not a goal): {w['text']}: {w['command']}\n"
 
 
 def markdown(goals: list[dict]) -> str:
@@ -268,9 +293,10 @@ def prefill_line(kernels: dict | None) -> str:
 DECODE_TILE = {"block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
-def decode_tile_line(kernels: dict | None) -> str:
-    """Not a goal, but a remedy for the ITL and decode-rate goals (the rerun with ``OSCAR_SGLANG_DECODE_KERNEL``):
-    the INT2 decode tile that was fastest over the benchmark's swept cases against the default's, or ''.
+def fastest_decode_tile(kernels: dict | None) -> dict | None:
+    """The INT2 decode tile that was fastest over the benchmark's swept cases against the default's: ``knob``
+    (``OSCAR_SGLANG_DECODE_KERNEL``'s value), ``speedup`` (over the default), ``default`` (whether it is the
+    default), ``swept`` (how many tiles competed), ``cases`` (text); None without a sweep.
 
     Only tiles measured in every swept case that has a default row compete; the best has the smallest
     geometric mean of its time over the default's time."""
@@ -289,20 +315,26 @@ def decode_tile_line(kernels: dict | None) -> str:
             ratios.setdefault(tile(r), {})[case(r)] = r["int2_ms"] / default[case(r)]
     complete = {t: v for t, v in ratios.items() if len(v) == len(default)}
     if not complete:
-        return ""
-
-    def geomean(t):
-        return statistics.geometric_mean(complete[t].values())
-
-    best = min(complete, key=geomean)
+        return None
+    best = min(complete, key=lambda t: statistics.geometric_mean(complete[t].values()))
     times = {case(r): r["int2_ms"] for r in rows if tile(r) == best}
-    cases = "; ".join(f"d {d} batch {b} {_tokens(c)}: {times[(d, b, c)]:.3f} vs {default[(d, b, c)]:.3f} ms"
-                      for d, b, c in sorted(default))
-    knob = ",".join(f"{k}={v}" for k, v in zip(DECODE_TILE, best))
-    if best == tuple(DECODE_TILE.values()):
-        return f"decode tiles (not a goal): the default ({knob}) was the fastest of {len(complete)} swept\n"
-    return (f"decode tiles (not a goal): fastest swept tile {1 / geomean(best):.2f}x the default's speed "
-            f"({cases}) (OSCAR_SGLANG_DECODE_KERNEL={knob})\n")
+    return {"knob": ",".join(f"{k}={v}" for k, v in zip(DECODE_TILE, best)),
+            "speedup": 1 / statistics.geometric_mean(complete[best].values()),
+            "default": best == tuple(DECODE_TILE.values()), "swept": len(complete),
+            "cases": "; ".join(f"d {d} batch {b} {_tokens(c)}: {times[(d, b, c)]:.3f} vs {default[(d, b, c)]:.3f} ms"
+                               for d, b, c in sorted(default))}
+
+
+def decode_tile_line(kernels: dict | None) -> str:
+    """Not a goal, but a remedy for the ITL and decode-rate goals (the rerun with ``OSCAR_SGLANG_DECODE_KERNEL``):
+    :func:`fastest_decode_tile` in a line, or ''."""
+    best = fastest_decode_tile(kernels)
+    if best is None:
+        return ""
+    if best["default"]:
+        return f"decode tiles (not a goal): the default ({best['knob']}) was the fastest of {best['swept']} swept\n"
+    return (f"decode tiles (not a goal): fastest swept tile {best['speedup']:.2f}x the default's speed "
+            f"({best['cases']}) (OSCAR_SGLANG_DECODE_KERNEL={best['knob']})\n")
 
 
 def _read(path: Path) -> dict | None:
