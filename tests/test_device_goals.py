@@ -220,16 +220,21 @@ def test_a_missing_int2_wave_is_sized_for_a_rerun_from_the_first_runs_own_number
     assert line.rstrip().endswith(
         'DEVICE_LIMIT_S=160 OSCAR_SGLANG_EXTEND_KERNEL=dots=bf16 SERVE_ARGS="--input-lens 32768 --largest-only '
         '--cuda-graph-max-bs 26" ONLY=servers SERVE_CACHES=oscar-int2 bash scripts/device_check.sh')
-    # the first run's knobs go with it; a JIT remedy repeats its failed start (2 x 55 s: no longer fits)
-    int2.update(knobs={"OSCAR_SGLANG_EXTEND_KERNEL": "sdpa"}, remedies=["jit"])
+    # the first run's knobs and remedies go with it, so it starts once (serve_bench --remedies)
+    int2.update(knobs={"OSCAR_SGLANG_EXTEND_KERNEL": "sdpa"}, remedies=["jit", "eager"])
     line = goals.rerun_line(serve)
-    assert "(2 starts)" in line and "needs ~152 s, which does not fit" in line
-    assert "DEVICE_LIMIT_S=160 OSCAR_SGLANG_EXTEND_KERNEL=sdpa SERVE_ARGS=" in line
-    # the hot update's remedy travels as its knob: no failed start again
+    assert "started in 55 s (with remedies jit, eager)" in line and "needs ~97 s" in line
+    assert line.rstrip().endswith('DEVICE_LIMIT_S=160 OSCAR_SGLANG_EXTEND_KERNEL=sdpa SERVE_ARGS="--input-lens 32768 '
+                                  '--largest-only --cuda-graph-max-bs 26 --remedies jit eager" ONLY=servers '
+                                  'SERVE_CACHES=oscar-int2 bash scripts/device_check.sh')
+    # the hot update's remedy travels as its knob
     int2.update(knobs={"OSCAR_SGLANG_GRAPH_HOT_UPDATE": "eager"}, remedies=["hot-eager"])
     line = goals.rerun_line(serve)
-    assert "needs ~97 s" in line and ("OSCAR_SGLANG_EXTEND_KERNEL=dots=bf16 OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager "
-                                      "SERVE_ARGS=") in line
+    assert ('OSCAR_SGLANG_EXTEND_KERNEL=dots=bf16 OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager SERVE_ARGS="--input-lens 32768 '
+            '--largest-only --cuda-graph-max-bs 26" ONLY=servers') in line
+    # a slower prefill: 26 x 3 s no longer fits
+    int2["runs"][0]["median_ttft_ms"] = 3000.0
+    assert "needs ~136 s, which does not fit the ~115 s" in goals.rerun_line(serve)
     # nothing to say once the wave is measured, or when INT2 never started
     int2["runs"][-1] = {"input_len": 32768, "concurrency": 26, "output_throughput": 800.0, "median_itl_ms": 12.0}
     assert goals.rerun_line(serve) == ""

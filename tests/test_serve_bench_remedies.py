@@ -277,6 +277,21 @@ def test_largest_only_serves_just_the_largest_concurrency_with_all_of_its_share(
     assert [(r["input_len"], r["concurrency"]) for r in runs] == [(64, 3)]
 
 
+def test_remedies_given_at_the_start_reach_every_server_without_a_failed_start(tmp_path, monkeypatch):
+    """A rerun of a server whose first run needed remedies (--remedies jit eager): its first start has them."""
+    starts = []
+
+    def fake(cache, args, deadline, cpu, remedies=(), log=None, progress=lambda res: None):
+        starts.append((cache, list(remedies), log.name))
+        return {"cache": cache, "runs": [{"output_throughput": 1.0}]}
+
+    monkeypatch.setattr(serve_bench, "serve_and_bench", fake)
+    monkeypatch.setattr(serve_bench, "write_report", lambda *a, **k: (tmp_path / "serve_bench.md").write_text(""))
+    rc = serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
+                           "--out", str(tmp_path), "--caches", "oscar-int2", "--remedies", "jit", "eager"])
+    assert rc == 0 and starts == [("oscar-int2", ["jit", "eager"], "server_oscar-int2.log")]
+
+
 def test_cache_deadline_is_an_even_share_of_what_is_left():
     assert serve_bench.cache_deadline(10.0, 110.0, 2) == 60.0
     assert serve_bench.cache_deadline(10.0, 110.0, 1) == 110.0

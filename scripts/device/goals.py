@@ -228,16 +228,18 @@ def wave_rerun(serve: dict | None, long: int = LONG) -> dict | None:
         return {"fits": False, "command": None,
                 "text": f"INT2's {_tokens(long)} wave is missing, and no concurrency-1 run at {_tokens(long)} "
                         "to size a rerun by"}
-    # each remedy the first run needed cost a failed start, which the rerun repeats, but for the hot update's:
-    # its knob (in "knobs") goes with the rerun from the start
-    starts = 1 + len([r for r in res.get("remedies", []) if r != "hot-eager"])
-    need = starts * res["start_s"] + n * single["median_ttft_ms"] / 1000 + 256 * single["median_itl_ms"] / 1000
+    # the remedies the first run's server needed go with the rerun (serve_bench --remedies; the hot update's
+    # as its knob, in "knobs"), so it starts once
+    remedies = [r for r in res.get("remedies", []) if r != "hot-eager"]
+    need = res["start_s"] + n * single["median_ttft_ms"] / 1000 + 256 * single["median_itl_ms"] / 1000
     fits = need <= RERUN_SERVE_S
+    serve_args = f"--input-lens {long} --largest-only --cuda-graph-max-bs {n}" + (
+        f" --remedies {' '.join(remedies)}" if remedies else "")
+    with_remedies = f" (with remedies {', '.join(res['remedies'])})" if res.get("remedies") else ""
     return {"fits": fits,
-            "command": servers_rerun_command(int2_knobs(serve),
-                                             f"--input-lens {long} --largest-only --cuda-graph-max-bs {n}"),
+            "command": servers_rerun_command(int2_knobs(serve), serve_args),
             "text": f"INT2's {_tokens(long)} wave (x{n}) is missing; its server started in {res['start_s']:.0f} s"
-                    f"{f' ({starts} starts)' if starts > 1 else ''}, one {_tokens(long)} prompt's TTFT was "
+                    f"{with_remedies}, one {_tokens(long)} prompt's TTFT was "
                     f"{single['median_ttft_ms'] / 1000:.1f} s, so the wave alone needs ~{need:.0f} s, which "
                     f"{'fits' if fits else 'does not fit'} the ~{RERUN_SERVE_S} s a servers rerun has"}
 

@@ -152,6 +152,9 @@ def parse_args(argv=None):
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--max-concurrency-cap", type=int, default=256)
     p.add_argument("--single-prompts", type=int, default=2, help="requests of the concurrency-1 runs")
+    p.add_argument("--remedies", nargs="+", default=[], choices=sorted(REMEDIES),
+                   help="start every server with these remedies already (a rerun of a server whose first run "
+                        "needed them: no failed start again)")
     p.add_argument("--largest-only", action="store_true",
                    help="only the largest-concurrency run at each input, no concurrency-1 run: a short rerun that "
                         "lacks just that run (goals.py keeps the first run's others)")
@@ -410,7 +413,7 @@ def main(argv=None) -> int:
     cpu = not launcher.cuda_visible()
     deadline = time.perf_counter() + args.time_limit
     results = []
-    sticky: list[str] = []  # remedies every later server gets too
+    sticky: list[str] = list(args.remedies)  # remedies every later server gets too
     for i, cache in enumerate(args.caches):
         # the report is rewritten after every run: a run cut short by the lent machine's limit keeps what it measured
         share = cache_deadline(time.perf_counter(), deadline, len(args.caches) - i)
