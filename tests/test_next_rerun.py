@@ -120,6 +120,9 @@ def test_a_missed_itl_goal_with_a_clearly_faster_decode_tile_reruns_int2_with_it
                        'OSCAR_SGLANG_EXTEND_KERNEL=dots=bf16 SERVE_ARGS="--input-lens 32768" ONLY=servers '
                        'SERVE_CACHES=oscar-int2 bash scripts/device_check.sh')
     assert "batch-1 median ITL" in why and "1.25x" in why
+    # the first run's server needed its graphs off: the rerun starts so
+    res = _run(tmp_path / "c", WHOLE, bf16=BF16, int2=dict(int2, remedies=["eager"]), kernels=kernels)
+    assert 'SERVE_ARGS="--input-lens 32768 --remedies eager"' in next_rerun.advise(res)[0]
     # 1.10x is not worth the machine's last minutes
     kernels = dict(KERNELS, tuning=tuning(32, 4, 0.30) + tuning(64, 8, 0.273))
     res = _run(tmp_path / "b", WHOLE, bf16=BF16, int2=int2, kernels=kernels)

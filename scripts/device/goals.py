@@ -201,6 +201,14 @@ def int2_knobs(serve: dict | None) -> dict[str, str]:
     return knobs
 
 
+def int2_remedies(serve: dict | None) -> str:
+    """serve_bench's ``--remedies`` for a rerun of the INT2 server, from what its first run needed ('' if
+    nothing); the hot update's travels as its knob (:func:`int2_knobs`)."""
+    res = next((r for r in (serve or {}).get("results", []) if r["cache"] == "oscar-int2"), {})
+    remedies = [r for r in res.get("remedies", []) if r != "hot-eager"]
+    return f" --remedies {' '.join(remedies)}" if remedies else ""
+
+
 def servers_rerun_command(knobs: dict[str, str], serve_args: str) -> str:
     env = " ".join(f"{k}={v}" for k, v in sorted(knobs.items()))
     return (f"DEVICE_LIMIT_S={RERUN_LIMIT_S} {env} SERVE_ARGS=\"{serve_args}\" ONLY=servers SERVE_CACHES=oscar-int2 "
@@ -228,13 +236,10 @@ def wave_rerun(serve: dict | None, long: int = LONG) -> dict | None:
         return {"fits": False, "command": None,
                 "text": f"INT2's {_tokens(long)} wave is missing, and no concurrency-1 run at {_tokens(long)} "
                         "to size a rerun by"}
-    # the remedies the first run's server needed go with the rerun (serve_bench --remedies; the hot update's
-    # as its knob, in "knobs"), so it starts once
-    remedies = [r for r in res.get("remedies", []) if r != "hot-eager"]
+    # the remedies the first run's server needed go with the rerun, so it starts once
     need = res["start_s"] + n * single["median_ttft_ms"] / 1000 + 256 * single["median_itl_ms"] / 1000
     fits = need <= RERUN_SERVE_S
-    serve_args = f"--input-lens {long} --largest-only --cuda-graph-max-bs {n}" + (
-        f" --remedies {' '.join(remedies)}" if remedies else "")
+    serve_args = f"--input-lens {long} --largest-only --cuda-graph-max-bs {n}" + int2_remedies(serve)
     with_remedies = f" (with remedies {', '.join(res['remedies'])})" if res.get("remedies") else ""
     return {"fits": fits,
             "command": servers_rerun_command(int2_knobs(serve), serve_args),

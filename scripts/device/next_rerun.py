@@ -98,7 +98,7 @@ def _rerun(summary, kernels: dict | None, serve: dict | None) -> tuple[str, str]
     if missed and tile and not tile["default"]:
         if tile["speedup"] >= TILE_GAIN:
             knobs = dict(goals.int2_knobs(serve), OSCAR_SGLANG_DECODE_KERNEL=tile["knob"])
-            return (goals.servers_rerun_command(knobs, f"--input-lens {goals.LONG}"),
+            return (goals.servers_rerun_command(knobs, f"--input-lens {goals.LONG}" + goals.int2_remedies(serve)),
                     f"missed: {'; '.join(missed)}; the decode tile {tile['knob']} was {tile['speedup']:.2f}x the "
                     "default's speed over the benchmark's sweep: the INT2 server at 32k with it")
         notes.append(f"the fastest decode tile was only {tile['speedup']:.2f}x the default's (< {TILE_GAIN})")
