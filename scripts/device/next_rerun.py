@@ -1,13 +1,13 @@
 """What to run next on the warm GPU machine after a device run: docs/GPU.md's "After the first run" as code.
 
-    python3 scripts/device/next_rerun.py RESULTS_DIR    # "next: COMMAND" or "next: give_back", then "why: ..."
+    python3 scripts/device/next_rerun.py RESULTS_DIR    # "next (...): COMMAND" or "next (...): give_back", "why: ..."
 
 The device tool gives the machine back 30 s after a call ends and a first run leaves too little device time to
 start another, so the one rerun is decided at once, from the first run's summary.txt and reports.
 ``scripts/device_check.sh`` prints this at its end (the device tool's reply shows it in its output tail); on
 files brought back from a run the tool cut before its end, run it here with a bare ``python3``.
 
-The first rule that applies (one rerun only; what it leaves out is said in "why"):
+The first rule that applies (one rerun only):
 
 1. the kernel benchmark's decode section is missing (goals 1-2 not measured) because its step timed out, was
    cut while running or never started: ``ONLY=bench_kernels`` (no server start, the likeliest to succeed);
