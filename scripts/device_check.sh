@@ -9,7 +9,7 @@
 #
 # Steps (each logged, each with its own time limit; a failing step does not stop the others):
 #   env            GPU, driver, glibc, Python packages
-#   install        the bundle's wheels + this project + the sgl_kernel stand-in into a fresh folder
+#   install        the bundle's wheels + this project + the sgl_kernel stand-in into a folder of their own
 #                  (scripts/device/install_bundle.sh), SGLang's torch-fallback environment
 #                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout. Into
 #                  /tmp/oscar-device-site (DEVICE_SITE), which a rerun on the warm machine reuses if nothing changed
