@@ -77,8 +77,13 @@ def kernel_goals(kernels: dict | None, long: int = LONG) -> list[dict]:
     ]
 
 
+def _server(serve: dict | None, cache: str) -> dict | None:
+    """A serve_bench report's result of one cache, or None."""
+    return next((res for res in (serve or {}).get("results", []) if res["cache"] == cache), None)
+
+
 def _all_runs(serve: dict, cache: str) -> list[dict]:
-    return next((res.get("runs", []) for res in serve.get("results", []) if res["cache"] == cache), [])
+    return (_server(serve, cache) or {}).get("runs", [])
 
 
 def _runs(serve: dict, cache: str) -> list[dict]:
@@ -195,7 +200,7 @@ EXTEND_KNOB = "OSCAR_SGLANG_EXTEND_KERNEL"
 def int2_knobs(serve: dict | None) -> dict[str, str]:
     """The kernel knobs the INT2 server ran with (the prefill probe's choice among them), with the extend knob
     always set (``dots=bf16``: the kernel's default), so a servers rerun given them skips the prefill probe."""
-    res = next((r for r in (serve or {}).get("results", []) if r["cache"] == "oscar-int2"), {})
+    res = _server(serve, "oscar-int2") or {}
     knobs = dict(res.get("knobs", {}))
     knobs.setdefault(EXTEND_KNOB, "dots=bf16")
     return knobs
@@ -204,7 +209,7 @@ def int2_knobs(serve: dict | None) -> dict[str, str]:
 def int2_remedies(serve: dict | None) -> str:
     """serve_bench's ``--remedies`` for a rerun of the INT2 server, from what its first run needed ('' if
     nothing); the hot update's travels as its knob (:func:`int2_knobs`)."""
-    res = next((r for r in (serve or {}).get("results", []) if r["cache"] == "oscar-int2"), {})
+    res = _server(serve, "oscar-int2") or {}
     remedies = [r for r in res.get("remedies", []) if r != "hot-eager"]
     return f" --remedies {' '.join(remedies)}" if remedies else ""
 
@@ -221,7 +226,7 @@ def wave_rerun(serve: dict | None, long: int = LONG) -> dict | None:
     own numbers: its INT2 server's start, one concurrency-1 TTFT at ``long`` per request of the wave, 256 outputs
     at its ITL), ``fits`` and ``command`` (None when nothing sizes it); None when the wave was measured, INT2
     never started, or was not served at ``long``."""
-    res = next((r for r in (serve or {}).get("results", []) if r["cache"] == "oscar-int2"), None)
+    res = _server(serve, "oscar-int2")
     if res is None or res.get("start_s") is None:
         return None
     runs = [r for r in res.get("runs", []) if r["input_len"] == long]
@@ -344,7 +349,7 @@ def decode_tile_line(kernels: dict | None) -> str:
             f"({best['cases']}) (OSCAR_SGLANG_DECODE_KERNEL={best['knob']})\n")
 
 
-def _read(path: Path) -> dict | None:
+def read_report(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -354,8 +359,8 @@ def _read(path: Path) -> dict | None:
 def goal_table(runs: list[tuple[str, Path]]) -> str:
     """The goal table over runs (name, folder), later runs winning, then which run each cache's numbers came
     from when that is more than one."""
-    kernels = next((k for k in (_read(d / "bench_kernels.json") for _, d in reversed(runs)) if k), None)
-    serve, source = merge_serve([(name, _read(d / "serve_bench.json")) for name, d in runs])
+    kernels = next((k for k in (read_report(d / "bench_kernels.json") for _, d in reversed(runs)) if k), None)
+    serve, source = merge_serve([(name, read_report(d / "serve_bench.json")) for name, d in runs])
     table = markdown(kernel_goals(kernels) + server_goals(serve))
     extra = decode_tile_line(kernels) + prefill_line(kernels) + rerun_line(serve)
     if extra:

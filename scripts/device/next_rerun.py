@@ -43,13 +43,12 @@ def _cut(step) -> bool:
     return step is not None and step.skipped is None and (step.rc is None or step.timed_out)
 
 
-def _server_failures(serve: dict) -> list[str]:
-    """What failed in a servers report other than a run cut by its own time (serve_bench exits 1 for those too)."""
-    bad = [f"{r['cache']}: {r['error'][-200:]}" for r in serve.get("results", []) if r.get("error")]
-    bad += [f"{r['cache']} {run['input_len']} x{run['concurrency']}: {run['error'][-200:]}"
-            for r in serve.get("results", []) for run in r.get("runs", [])
-            if run.get("error") and "timed out after" not in run["error"]]
-    return bad
+def _server_failed(serve: dict) -> bool:
+    """Whether something failed in a servers report other than a run cut by its own time (serve_bench exits 1
+    for those too)."""
+    return any(r.get("error") or any(run.get("error") and "timed out after" not in run["error"]
+                                     for run in r.get("runs", []))
+               for r in serve.get("results", []))
 
 
 def advise(folder: Path) -> tuple[str, str]:
@@ -58,10 +57,10 @@ def advise(folder: Path) -> tuple[str, str]:
         summary = record.parse_summary((folder / "summary.txt").read_text())
     except OSError:
         return "give_back", f"no summary.txt in {folder}"
-    kernels = goals._read(folder / "bench_kernels.json")
-    serve = goals._read(folder / "serve_bench.json")
+    kernels = goals.read_report(folder / "bench_kernels.json")
+    serve = goals.read_report(folder / "serve_bench.json")
     failed = [s.name for s in summary.steps if s.skipped is None and s.rc not in (None, 0) and not s.timed_out
-              and not (s.name == "servers" and serve is not None and not _server_failures(serve))]
+              and not (s.name == "servers" and serve is not None and not _server_failed(serve))]
     fix = (f"failed by itself: {', '.join(failed)} (fix here from its log, with a test; a rerun without a code "
            "change fails the same way)") if failed else ""
     command, why = _rerun(summary, kernels, serve)
