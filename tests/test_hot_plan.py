@@ -34,7 +34,7 @@ import random
 import pytest
 import torch
 from hot_reference import RefHotSet, ref_window_plan
-from kernel_device import DEVICE  # noqa: F401  (enables the interpreter on CPU: the re-pin's Triton kernel)
+from kernel_device import DEVICE  # (on CPU it also enables the interpreter: the re-pin's Triton kernel)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from oscar_sglang.kernels.scenario import capture_graph
@@ -82,9 +82,9 @@ def test_window_plan_matches_the_reference_on_random_batches():
 
 def _assert_same(new: HotSet, ref: RefHotSet, what=""):
     assert new.clock == ref.clock, what
-    assert torch.equal(new.hot_index, ref.hot_index), what
-    assert torch.equal(new.owner, ref.owner), what
-    assert torch.equal(new.stamp, ref.stamp), what
+    assert torch.equal(new.hot_index.cpu(), ref.hot_index), what
+    assert torch.equal(new.owner.cpu(), ref.owner), what
+    assert torch.equal(new.stamp.cpu(), ref.stamp), what
     c = new.counters
     assert (c["in_window_evictions"], c["denied"]) == (ref.in_window_evictions, ref.denied), what
     if new._req_len is not None:                                  # the request rows tracked
@@ -185,13 +185,14 @@ def test_begin_pass_matches_the_reference_through_random_traffic(seed):
     num_slots = rng.choice([60, 120, 300])
     sink, recent = rng.choice([0, 1, 2, 4]), rng.choice([0, 1, 3, 8])
     sink_entries, recent_entries = rng.choice([0, 1, 3, 8, 40]), rng.choice([0, 2, 5, 16, 200])
-    new = HotSet(num_slots, sink_entries, recent_entries, sink, recent)
+    # On DEVICE, as the pool keeps it (CUDA: the compiled re-pin; CPU: the interpreter's), against the CPU reference.
+    new = HotSet(num_slots, sink_entries, recent_entries, sink, recent, device=DEVICE)
     ref = RefHotSet(num_slots, sink_entries, recent_entries, sink, recent)
     new.track_requests(12)
-    new.kernel_backend = "triton" if seed % 2 else "auto"         # the re-pin: its Triton kernel, or torch
+    new.kernel_backend = "triton" if seed % 2 else "torch"        # the re-pin: its Triton kernel, or torch
 
-    def on_end(rows, req_to_token):
-        new.end_requests(rows, req_to_token), ref.end_requests(rows, req_to_token)
+    def on_end(rows, req_to_token):                                  # SGLang's req_to_token lives on the device
+        new.end_requests(rows, req_to_token.to(DEVICE)), ref.end_requests(rows, req_to_token)
 
     traffic = _Traffic(rng, num_slots, width=rng.choice([10, 96]), on_end=on_end)   # 10: rows < sink + recent
     for step in range(40):
@@ -200,17 +201,18 @@ def test_begin_pass_matches_the_reference_through_random_traffic(seed):
         prefix, seq = prefix_t.tolist(), seq_t.tolist()
         want = ref.begin_pass(loc, rows, prefix, seq, traffic.req_to_token)
         decode = bool(reqs) and all(len(s) == 1 for _, _, s in reqs)
+        loc_d, rows_d, seq_d, r2t_d = (t.to(DEVICE) for t in (loc, rows, seq_t, traffic.req_to_token))
         if decode and rng.random() < 0.7:                            # as the backend calls it in decode mode
-            got = new.begin_pass(loc, rows, seq_t - 1, seq_t, traffic.req_to_token, decode=True)
+            got = new.begin_pass(loc_d, rows_d, seq_d - 1, seq_d, r2t_d, decode=True)
         else:                                                        # extend: SGLang's int32 device lengths
-            got = new.begin_pass(loc, rows, torch.tensor(prefix, dtype=torch.int32),
-                                 torch.tensor(seq, dtype=torch.int32), traffic.req_to_token)
+            got = new.begin_pass(loc_d, rows_d, torch.tensor(prefix, dtype=torch.int32, device=DEVICE),
+                                 torch.tensor(seq, dtype=torch.int32, device=DEVICE), r2t_d)
         what = (seed, step, prefix, seq)
-        assert torch.equal(got, want), what
+        assert torch.equal(got.cpu(), want), what
         _assert_same(new, ref, what)
         if rng.random() < 0.2 and traffic.refs:                      # a cold write through set_kv_buffer
             cold = torch.tensor(rng.sample(sorted(traffic.refs), min(3, len(traffic.refs))))
-            new.release(cold), ref.release(cold)
+            new.release(cold.to(DEVICE)), ref.release(cold)
             _assert_same(new, ref, what)
 
 
@@ -322,8 +324,9 @@ def test_begin_pass_records_in_a_cuda_graph_with_padded_rows():
         hs.track_requests(12)
     eager_hs.kernel_backend = "torch"           # the twin on the general torch path; the graph records the fused one
 
-    def on_end(rows, req_to_token):
-        graph_hs.end_requests(rows, req_to_token), eager_hs.end_requests(rows, req_to_token)
+    def on_end(rows, req_to_token):                                  # the traffic's CPU table, as the device's
+        r2t_now = req_to_token.to(dev)
+        graph_hs.end_requests(rows, r2t_now), eager_hs.end_requests(rows, r2t_now)
 
     traffic = _Traffic(rng, 300, on_end=on_end)
     r2t = traffic.req_to_token.to(dev)                               # SGLang's req_to_token: one device tensor

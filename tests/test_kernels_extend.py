@@ -153,9 +153,9 @@ def test_reference_without_prefix_is_plain_causal_attention(key_scale):
     n, d, gqa = 9, 64, 3
     rot = scenario.random_rotation(KV, d, 5, key_scale=key_scale)
     store = layout.empty_store(4, KV, d)
-    q, k, v = new_tokens(n, KV * gqa, d, 5)
+    q, k, v = (t.cpu() for t in new_tokens(n, KV * gqa, d, 5))      # the reference's math, on CPU everywhere
     out = api.extend_attention(q, k, v, store, rot, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0]),
-                               torch.tensor([0]), torch.tensor([n]))
+                               torch.tensor([0]), torch.tensor([n]), backend="torch")
     want = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.float().repeat_interleave(gqa, 1).transpose(0, 1),
         v.float().repeat_interleave(gqa, 1).transpose(0, 1), is_causal=True).transpose(0, 1)

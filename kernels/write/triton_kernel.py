@@ -14,6 +14,11 @@ rows, ``K_SYM``/``V_SYM``: ``scale = fp16(2 r max|x| / L)``, no zero stored).  T
 codes of elements ``4i .. 4i+3`` are packed into word ``i`` of the row (one
 byte for INT2, a little-endian uint16 for INT4, a uint32 for INT8; see
 ``common/triton_helpers.py``) and stored with one store per word.
+
+Compiled without floating-point contraction (``enable_fp_fusion=False``): with
+it the GPU fused ``mid - half`` and ``x - 1.5 scale`` into FMAs, one rounding
+fewer than torch's, and a few codes of the first H200 run (2026-12-04) sat on
+the other side of a rounding edge from the reference's.
 """
 
 import torch
@@ -160,4 +165,5 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
         n, kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HAS_HOT=hot_loc is not None, BLOCK_T=block_t, D=d, K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits,
         V_G=vf.group, KC=32, K_SYM=kf.symmetric, V_SYM=vf.symmetric, num_warps=num_warps,
+        enable_fp_fusion=False,  # no a*b+c -> fma: codes bit-equal to the torch reference's (clip, symmetric zero)
     )
