@@ -51,7 +51,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
 
     ``tuning`` (Triton only): ``num_splits``, ``max_seq_len`` (caps the splits
     without a host sync), ``block_n``, ``num_warps``, ``num_stages``,
-    ``rotate_q_in_kernel`` (default: by grid size).
+    ``rotate_q_in_kernel`` (default: by grid size), ``hot_skip``, ``prefetch``.
     """
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     op = _op("decode", backend, q.device)

@@ -21,10 +21,13 @@ import sys
 import torch
 
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 # tiles of the extend kernel beside its default (block_rows 64, block_n 32, 8 warps, 2 stages) that
 # scripts/bench_extend.py times on the GPU
 EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block_n": 64}, {"num_warps": 4})
+# the decode loop's variants that scripts/device/decode_variants.py times (the first H200 run: latency-bound)
+DECODE_VARIANTS = ({"hot_skip": True}, {"prefetch": 1, "hot_skip": True}, {"prefetch": 2, "hot_skip": True},
+                   {"prefetch": 1, "hot_skip": True, "block_n": 64}, {"prefetch": 2, "hot_skip": True, "block_n": 64})
 
 
 class _Recorder:
@@ -116,6 +119,13 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                     lambda: dec.decode_attention(q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,
                                                  paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
                                                  rotate_q_in_kernel=in_kernel))
+            if d == 128 and kf.bits == 2 and same and g == d:  # the decode loop's variants (decode_variants.py)
+                for opts in DECODE_VARIANTS:
+                    add(f"decode variant {tag} " + " ".join(f"{k}={v}" for k, v in opts.items()), dec,
+                        "_decode_split_kernel",
+                        lambda opts=opts: dec.decode_attention(q, store, rot, paged.req_to_token,
+                                                               paged.req_pool_indices, paged.seq_lens, 0.1,
+                                                               num_splits=4, rotate_q_in_kernel=False, **opts))
         qe = torch.randn(4, kv * gqa, d)
         for dots in ext.DOT_CHOICES:
             add(f"extend {tag} {dots} dots", ext, "_extend_kernel",

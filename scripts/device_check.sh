@@ -28,6 +28,9 @@
 #                  SGLang's 8k chunks, INT2 vs SGLang's Triton extend and SDPA (scripts/bench_kernels.py)
 #   calibration    the calibration pipeline's time and memory for that geometry, random weights built on the
 #                  GPU, 8k tokens of the bundle's text (scripts/device/calibrate_bench.py)
+#   decode_variants  only when ONLY names it, before the kernel tests: the INT2 decode loop's variants and tiles
+#                  side by side with the BF16 decode (scripts/device/decode_variants.py, after run 1 found the
+#                  decode latency-bound)
 # Without CUDA (the dry run) the same steps run small: a 4-layer model of the GPU run's head shape (head_dim 128,
 # GQA 4:1; scripts/dummy_models.py llama-d128-small), short prompts, the interpreter.
 #
@@ -38,6 +41,8 @@
 #   SERVE_CACHES     the servers to run, of "bf16 oscar-int2" (e.g. only oscar-int2 when BF16's numbers are in)
 #   SERVE_ARGS       more arguments of serve_bench.py, after the run's own (a later one wins), e.g.
 #                    "--input-lens 32768 --largest-only --cuda-graph-max-bs 32": only the run the first one lacked
+#   KERNEL_TEST_IDS  the kernel tests to run instead of all (paths under tests/, pytest ids allowed), e.g.
+#                    "test_hot_plan.py test_kernels_decode.py::test_pipelined_decode_loops_match_the_reference"
 #   BENCH_BUDGET_S   the kernel benchmark's decode budget (80 s; its step's limit is 70 s more: the write,
 #                    hot-update and prefill sections after it, the prefill one capped at 20 s)
 # Without CUDA only: INTERPRETER_PYTHONPATH goes first on the path of the two steps that run Triton's interpreter
@@ -62,7 +67,7 @@ DEVICE_LIMIT_S=${DEVICE_LIMIT_S:-590}   # the device tool's timeout_s (600) less
 publish() {  # the latest reports and a tarball of everything into $OUT
     cp "$RES"/summary.txt "$OUT"/ 2>/dev/null
     for f in serve_bench.md serve_bench.json serve_bench.png bench_kernels.md bench_kernels.json bench_kernels.png \
-             bench_kernels_cpu_smoke.md; do
+             bench_kernels_cpu_smoke.md decode_variants.md; do
         [ -f "$RES/$f" ] && cp "$RES/$f" "$OUT/"
     done
     tar czf "$OUT/device_check.tar.gz" -C "$WORK" results 2>/dev/null
@@ -84,6 +89,7 @@ only_with_needs() {  # ONLY with the steps that the chosen ones need (printed)
     local only="$1"
     [[ " $only " == *" servers "* ]] && only="install models prefill_probe $only"
     [[ " $only " == *" kernel_tests "* ]] && only="install $only"  # its CUDA-graph test serves through SGLang
+    [[ " $only " == *" decode_variants "* ]] && only="install $only"
     [[ " $only " == *" calibration "* ]] && only="models $only"
     echo "$only"
 }
@@ -168,12 +174,20 @@ INTERP=()
 # --durations: which tests' compiles take the time, for planning the next run.
 kernel_test_paths() {  # what the kernel_tests step runs, one per line; the CUDA-graph test only with SGLang there
     local t                 # (pytest collects nothing at all, not even the rest, when a named test's module skips)
+    if [ -n "${KERNEL_TEST_IDS:-}" ]; then
+        for t in $KERNEL_TEST_IDS; do echo "$ROOT/tests/$t"; done
+        return 0
+    fi
     for t in kernels_write kernels_decode kernels_extend kernels_repin kernels_hot_pass hot_plan; do
         echo "$ROOT/tests/test_$t.py"
     done
     [ "$HAVE_SGLANG" = 1 ] && echo "$ROOT/tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode"
     return 0
 }
+if [[ " ${ONLY:-} " == *" decode_variants "* ]]; then  # opt-in: a diagnosis, not part of the whole run
+    step decode_variants $([ "$GPU" = 1 ] && echo 120 || echo 300) "${INTERP[@]}" "$PY" \
+        "$ROOT/scripts/device/decode_variants.py" --out "$RES" --budget-s "${VARIANTS_BUDGET_S:-70}"
+fi
 mapfile -t KERNEL_TESTS < <(kernel_test_paths)
 step kernel_tests $([ "$GPU" = 1 ] && echo 150 || echo 900) "${INTERP[@]}" "$PY" -m pytest -v -rfE --durations=15 \
     -p no:cacheprovider "${XDIST[@]}" --rootdir "$ROOT" "${KERNEL_TESTS[@]}"

@@ -78,6 +78,26 @@ def test_decode_kernel_matches_reference(d, gqa, page, hot, formats, splits):
         assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (in_kernel, (out - ref).abs().max())
 
 
+@pytest.mark.parametrize("prefetch,hot_skip", [(0, True), (1, False), (1, True), (2, False), (2, True)])
+def test_pipelined_decode_loops_match_the_reference(prefetch, hot_skip):
+    """The split kernel's loop loading ahead (slots, entries, rows of later blocks) and skipping the BF16 reads of
+    all-cold blocks: the same attention, over splits that end mid-block, empty requests and one-block ones."""
+    lens = [0, 1, 17, 50, 70, 33]
+    for i, (d, page, hot, gqa) in enumerate([(64, 16, True, 4), (128, 1, True, 3), (64, 1, False, 1)]):
+        seed = 40 + 7 * i + prefetch
+        formats = FORMATS[(3 * i + prefetch) % len(FORMATS)]
+        paged, rot, store = build(lens, d, None, page, hot, seed, formats=formats)
+        q = torch.randn(len(lens), KV * gqa, d, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+        ref = reference.decode_attention(*args, d**-0.5)
+        out = api.decode_attention(*args, backend="triton", num_splits=1 + i, block_n=16, prefetch=prefetch,
+                                   hot_skip=hot_skip)
+        assert not torch.isnan(out).any()
+        assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (i, (out - ref).abs().max())
+    with pytest.raises(ValueError, match="prefetch"):
+        api.decode_attention(*args, backend="triton", prefetch=3)
+
+
 def test_decode_split_count_does_not_change_the_result():
     paged, rot, store = build([3, 70], 64, 64, 16, True, 7)
     q = torch.randn(2, KV * 4, 64, device=DEVICE)

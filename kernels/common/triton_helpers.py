@@ -69,15 +69,12 @@ def code_word_ptr(codes_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def load_rows(codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, cold, hot,
-              D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr):
-    """Rotated rows as four fp32 pieces ``[BLOCK_N, D // 4]``: BF16 where ``hot``, ``BITS``-bit codes where ``cold``.
-
-    ``SYM``: symmetric rows, no stored zero (``zero_ptr`` unused): ``zero = -(L / 2) * scale``, exact in fp32.
-
-    ``row = slot * kv_heads + head`` and ``hot_row = entry * kv_heads + head`` (int64);
-    rows in neither mask read as 0.
-    """
+def fetch_rows(codes_ptr, scale_ptr, zero_ptr, row, cold, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+               SYM: tl.constexpr):
+    """The stored (cold) part of rows ``row`` as loaded: code words ``[BLOCK_N, D // 4]`` (int32, four codes
+    each) and fp32 scale and zero per piece column (``[BLOCK_N, D // 4]``, or ``[BLOCK_N, 1]`` for one group per
+    row).  ``SYM``: symmetric rows, no stored zero (``zero_ptr`` unused): ``zero = -(L / 2) * scale``, exact in
+    fp32.  Rows outside ``cold`` read as code 0, scale 0, zero 0."""
     MASK: tl.constexpr = (1 << BITS) - 1
     i = tl.arange(0, D // 4)
     word = tl.load(code_word_ptr(codes_ptr, BITS) + row[:, None] * (D // 4) + i[None, :], mask=cold[:, None],
@@ -91,16 +88,38 @@ def load_rows(codes_ptr, scale_ptr, zero_ptr, hot_ptr, row, hot_row, cold, hot,
         zero = scale * (-0.5 * MASK)
     else:
         zero = load_piece_scale(zero_ptr, row, cold, D, G)
+    return word, scale, zero
+
+
+@triton.jit
+def dequant_rows(word, scale, zero, hot_ptr, hot_row, hot, D: tl.constexpr, BITS: tl.constexpr,
+                 HOT_SKIP: tl.constexpr):
+    """Rows as four fp32 pieces ``[BLOCK_N, D // 4]`` from :func:`fetch_rows`' words, scale and zero, the BF16
+    copy at ``hot_row`` where ``hot``.  ``HOT_SKIP``: the BF16 copies are read only in a block with a hot row
+    (one branch per block; a long context's blocks are all cold but the sink's and the recent window's)."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    x0 = zero + (word & MASK).to(tl.float32) * scale
+    x1 = zero + ((word >> BITS) & MASK).to(tl.float32) * scale
+    x2 = zero + ((word >> (2 * BITS)) & MASK).to(tl.float32) * scale
+    x3 = zero + ((word >> (3 * BITS)) & MASK).to(tl.float32) * scale
+    if HOT_SKIP:
+        if tl.max(hot.to(tl.int32), 0) > 0:
+            x0, x1, x2, x3 = _hot_pieces(hot_ptr, hot_row, hot, x0, x1, x2, x3, D)
+    else:
+        x0, x1, x2, x3 = _hot_pieces(hot_ptr, hot_row, hot, x0, x1, x2, x3, D)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _hot_pieces(hot_ptr, hot_row, hot, x0, x1, x2, x3, D: tl.constexpr):
+    """``x`` with the rows in ``hot`` replaced by their BF16 copies at ``hot_row`` (as fp32 pieces)."""
+    i = tl.arange(0, D // 4)
     hp = hot_ptr + hot_row[:, None] * D + 4 * i[None, :]
     hm = hot[:, None]
-    h0 = tl.load(hp + 0, mask=hm, other=0.0).to(tl.float32)
-    h1 = tl.load(hp + 1, mask=hm, other=0.0).to(tl.float32)
-    h2 = tl.load(hp + 2, mask=hm, other=0.0).to(tl.float32)
-    h3 = tl.load(hp + 3, mask=hm, other=0.0).to(tl.float32)
-    x0 = tl.where(hm, h0, zero + (word & MASK).to(tl.float32) * scale)
-    x1 = tl.where(hm, h1, zero + ((word >> BITS) & MASK).to(tl.float32) * scale)
-    x2 = tl.where(hm, h2, zero + ((word >> (2 * BITS)) & MASK).to(tl.float32) * scale)
-    x3 = tl.where(hm, h3, zero + ((word >> (3 * BITS)) & MASK).to(tl.float32) * scale)
+    x0 = tl.where(hm, tl.load(hp + 0, mask=hm, other=0.0).to(tl.float32), x0)
+    x1 = tl.where(hm, tl.load(hp + 1, mask=hm, other=0.0).to(tl.float32), x1)
+    x2 = tl.where(hm, tl.load(hp + 2, mask=hm, other=0.0).to(tl.float32), x2)
+    x3 = tl.where(hm, tl.load(hp + 3, mask=hm, other=0.0).to(tl.float32), x3)
     return x0, x1, x2, x3
 
 
@@ -198,21 +217,57 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
 
 
 @triton.jit
+def block_slots(t, tmask, tok_row_ptr):
+    """Slots of a request's tokens ``t`` (its ``req_to_token`` row at ``tok_row_ptr``), int64; 0 outside ``tmask``."""
+    return tl.load(tok_row_ptr + t, mask=tmask, other=0).to(tl.int64)
+
+
+@triton.jit
+def slot_entries(slot, tmask, hot_index):
+    """Hot entries of ``slot`` (-1: none, or outside ``tmask``), int64."""
+    return tl.load(hot_index + slot, mask=tmask, other=-1).to(tl.int64)
+
+
+@triton.jit
+def fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr,
+                K_SYM: tl.constexpr, V_SYM: tl.constexpr):
+    """The stored parts of a block's keys and values (:func:`fetch_rows`), for a decode loop that loads the
+    next block while it computes this one."""
+    cold = tmask & (entry < 0)
+    row = slot * KV + kvh
+    kw, ks, kz = fetch_rows(k_codes, k_scale, k_zero, row, cold, D, K_G, K_BITS, K_SYM)
+    vw, vs, vz = fetch_rows(v_codes, v_scale, v_zero, row, cold, D, V_G, V_BITS, V_SYM)
+    return kw, ks, kz, vw, vs, vz
+
+
+@triton.jit
+def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                         q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
+                         D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PREC: tl.constexpr,
+                         HOT_SKIP: tl.constexpr):
+    """One online-softmax step over a block fetched by :func:`fetch_block` (its hot rows read here)."""
+    hot = tmask & (entry >= 0)
+    hot_row = entry * KV + kvh
+    k0, k1, k2, k3 = dequant_rows(kw, ks, kz, k_hot, hot_row, hot, D, K_BITS, HOT_SKIP)
+    v0, v1, v2, v3 = dequant_rows(vw, vs, vz, v_hot, hot_row, hot, D, V_BITS, HOT_SKIP)
+    return attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
+                        tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
+
+
+@triton.jit
 def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
                         k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
                         q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
                         D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
-                        V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr):
+                        V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
+                        HOT_SKIP: tl.constexpr):
     """One online-softmax step over stored tokens ``t`` of a request (``tok_row_ptr`` = its
     ``req_to_token`` row): slot lookup, BF16 where the slot has a hot entry, quantized rows elsewhere
     (keys ``K_BITS`` bits in groups of ``K_G``, values ``V_BITS`` / ``V_G``; ``K_SYM``/``V_SYM``: symmetric rows)."""
-    slot = tl.load(tok_row_ptr + t, mask=tmask, other=0).to(tl.int64)
-    entry = tl.load(hot_index + slot, mask=tmask, other=-1).to(tl.int64)
-    cold = tmask & (entry < 0)
-    hot = tmask & (entry >= 0)
-    row = slot * KV + kvh
-    hot_row = entry * KV + kvh
-    k0, k1, k2, k3 = load_rows(k_codes, k_scale, k_zero, k_hot, row, hot_row, cold, hot, D, K_G, K_BITS, K_SYM)
-    v0, v1, v2, v3 = load_rows(v_codes, v_scale, v_zero, v_hot, row, hot_row, cold, hot, D, V_G, V_BITS, V_SYM)
-    return attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
-                        tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
+    slot = block_slots(t, tmask, tok_row_ptr)
+    entry = slot_entries(slot, tmask, hot_index)
+    kw, ks, kz, vw, vs, vz = fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, v_scale,
+                                         v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
+    return attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)

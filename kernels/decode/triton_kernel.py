@@ -14,8 +14,7 @@ low (see ``decode_attention``).
 
 Keys and values are read in their own formats (constexprs ``K_BITS``/``K_G``,
 ``V_BITS``/``V_G``; 2, 4 or 8 bits, from ``store.k_format``/``v_format``),
-unpacked by ``common/triton_helpers.load_rows``; INT2 compiles to the same
-code as before the formats were generalised.
+unpacked by ``common/triton_helpers.fetch_rows``/``dequant_rows``.
 """
 
 import functools
@@ -26,7 +25,8 @@ import triton.language as tl
 
 from oscar_sglang.rotation import rotate_queries
 
-from ..common.triton_helpers import attend_stored_block, bf16_rne, load_query_pieces, rotate_rows, store_pieces
+from ..common.triton_helpers import (attend_fetched_block, attend_stored_block, bf16_rne, block_slots, fetch_block,
+                                     load_query_pieces, rotate_rows, slot_entries, store_pieces)
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
 LOG2E = 1.4426950408889634
@@ -44,7 +44,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                          GQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                          V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
-                         ROTATE_Q: tl.constexpr):
+                         ROTATE_Q: tl.constexpr, HOT_SKIP: tl.constexpr, PREFETCH: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -68,13 +68,57 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
     a1 = tl.zeros([BLOCK_H, D // 4], tl.float32)
     a2 = tl.zeros([BLOCK_H, D // 4], tl.float32)
     a3 = tl.zeros([BLOCK_H, D // 4], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        t = n0 + tl.arange(0, BLOCK_N)
-        tmask = t < end
-        m, l, a0, a1, a2, a3 = attend_stored_block(
-            t, tmask, req_to_token + req * stride_r2t, hot_index, kvh, KV,
-            k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
-            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM, V_SYM)
+    tok_row = req_to_token + req * stride_r2t
+    n = tl.arange(0, BLOCK_N)
+    if PREFETCH == 0:  # each block's three dependent loads (slot, hot entry, rows) in turn
+        for n0 in range(start, end, BLOCK_N):
+            t = n0 + n
+            tmask = t < end
+            m, l, a0, a1, a2, a3 = attend_stored_block(
+                t, tmask, tok_row, hot_index, kvh, KV,
+                k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
+                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM, V_SYM,
+                HOT_SKIP)
+    else:
+        # Software pipeline over the dependent loads: block j+2's slots and block j+1's hot entries are loaded
+        # while block j is computed (PREFETCH 1: its rows loaded then); PREFETCH 2: also block j+1's rows, and
+        # block j+3's slots, j+2's entries.  Loads past ``end`` are masked off.
+        LEAD: tl.constexpr = PREFETCH + 1  # blocks ahead whose slots are loaded
+        s0 = block_slots(start + n, start + n < end, tok_row)
+        e0 = slot_entries(s0, start + n < end, hot_index)
+        s1 = block_slots(start + BLOCK_N + n, start + BLOCK_N + n < end, tok_row)
+        if PREFETCH == 2:
+            e1 = slot_entries(s1, start + BLOCK_N + n < end, hot_index)
+            s2 = block_slots(start + 2 * BLOCK_N + n, start + 2 * BLOCK_N + n < end, tok_row)
+            kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, start + n < end, kvh, KV, k_codes, k_scale, k_zero,
+                                                 v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
+        for n0 in range(start, end, BLOCK_N):
+            t = n0 + n
+            tmask = t < end
+            t_lead = n0 + LEAD * BLOCK_N + n
+            s_lead = block_slots(t_lead, t_lead < end, tok_row)
+            if PREFETCH == 2:
+                t1 = t + BLOCK_N
+                e2 = slot_entries(s2, t1 + BLOCK_N < end, hot_index)
+                nkw, nks, nkz, nvw, nvs, nvz = fetch_block(s1, e1, t1 < end, kvh, KV, k_codes, k_scale, k_zero,
+                                                           v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
+                                                           K_SYM, V_SYM)
+                m, l, a0, a1, a2, a3 = attend_fetched_block(
+                    e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                    q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
+                kw, ks, kz, vw, vs, vz = nkw, nks, nkz, nvw, nvs, nvz
+                e0, e1 = e1, e2
+                s1, s2 = s2, s_lead
+            else:
+                e1 = slot_entries(s1, t + BLOCK_N < end, hot_index)
+                kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
+                                                     v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
+                                                     K_SYM, V_SYM)
+                m, l, a0, a1, a2, a3 = attend_fetched_block(
+                    e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                    q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
+                s0, e0 = s1, e1
+                s1 = s_lead
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
     part = (b * Q_HEADS + qh).to(tl.int64) * NUM_SPLITS + sp
@@ -160,7 +204,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, max_seq_len: int | None = None,
                      block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
-                     rotate_q_in_kernel: bool | None = None) -> torch.Tensor:
+                     rotate_q_in_kernel: bool | None = None, hot_skip: bool = False,
+                     prefetch: int = 0) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
 
     ``rotate_q_in_kernel`` (default: automatic): rotate the queries inside the split kernel (two launches
@@ -170,7 +215,14 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     2 per multiprocessor, all resident at once), torch beyond (the rotation costs the split kernel registers:
     for d 128 INT2, GQA 4, on sm_90, 125 -> 196 with triton 3.6, the GPU machine's, and 167 -> 178 with
     3.8: programs resident per multiprocessor 4 -> 2 and 3 -> 2).
+
+    ``hot_skip``: read the BF16 hot copies only in blocks that have a hot row.  ``prefetch`` (0, 1, 2): how far
+    the split kernel's loop loads ahead (0: a block's slots, hot entries and rows one after the other, three
+    memory latencies in turn per block; 1: slots two blocks ahead and entries one; 2: also the rows one
+    block ahead, in registers).  The first H200 run (2026-12-04) found the decode latency-bound at 0.
     """
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")
     bsz, q_heads, d = q.shape
     kv, kf, vf = store.kv_heads, store.k_format, store.v_format
     gq = q_heads // kv
@@ -194,7 +246,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         q_in.stride(0), q_in.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
         GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
         K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=DOT_PRECISION,
-        K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel,
-        num_warps=num_warps, num_stages=num_stages,
+        K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )
     return merge_splits(mid_o, mid_lse, rot.v_rot, q.dtype)

@@ -85,7 +85,8 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
         m, l, a0, a1, a2, a3 = attend_stored_block(
             t, tmask, req_to_token + req * stride_r2t, hot_index, kvh, KV,
             k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
-            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM, V_SYM)
+            q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM, V_SYM,
+            False)
 
     # New tokens, exact, causal among themselves (in the last split).
     hi = tl.where(sp == NUM_SPLITS - 1, tl.minimum(ext_len, m0 + BLOCK_M), 0)

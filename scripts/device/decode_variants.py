@@ -1,0 +1,176 @@
+"""Where the INT2 decode's time goes: its loop variants side by side, with the BF16 split-K decode over the same pages.
+
+The first H200 run (2026-12-04, docs/gpu/run1) measured the INT2 decode at
+2-4% of the copy bandwidth, 3-4x slower than the BF16 Triton decode over the
+same paged layout, and nearly as slow at head size 64 as at 128: a per-token
+cost, not a per-byte one.  A block of the split kernel's loop waits for three
+dependent loads in turn (its tokens' slots, their hot entries, then the rows),
+so this times the loop's variants (``decode_attention``'s ``prefetch`` and
+``hot_skip``) and tiles in one run, to choose the default from numbers:
+
+    python scripts/device/decode_variants.py --out OUT [--budget-s 90]
+
+Each case: 32 query / 8 KV heads, d 128, pages of 16 slots in random order,
+an INT2 store written by the write kernel from random rows, sink 64 + recent
+256 hot per request.  Every variant's output is checked against the first's
+(same math, another loop), the first against the torch reference on the
+smallest case.  Timing: ``triton.testing.do_bench`` (median).  On a machine
+without CUDA it runs tiny shapes under Triton's interpreter (a smoke run of
+the script itself; its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE = not torch.cuda.is_available()
+if SMOKE:
+    from oscar_sglang.kernels import interpret
+
+    interpret.enable()
+import triton  # noqa: E402
+
+from oscar_sglang.kernels import api, layout, scenario  # noqa: E402
+from oscar_sglang.kernels.decode import bf16_baseline, reference  # noqa: E402
+from oscar_sglang.kernels.decode import triton_kernel as decode_tk  # noqa: E402
+
+DEVICE = torch.device("cpu" if SMOKE else "cuda")
+KV, GQA, D, PAGE = (2, 4, 64, 16) if SMOKE else (8, 4, 128, 16)
+SINK, RECENT = (4, 8) if SMOKE else (64, 256)
+CASES = [(1, 200), (2, 96)] if SMOKE else [(1, 32768), (32, 32768), (128, 16384)]  # (batch, context)
+# (label, decode_attention options); the first is the kernel as it was at the first GPU run
+VARIANTS = [
+    ("as run 1", {}),
+    ("hot_skip", {"hot_skip": True}),
+    ("prefetch 1", {"prefetch": 1}),
+    ("prefetch 1 + hot_skip", {"prefetch": 1, "hot_skip": True}),
+    ("prefetch 2 + hot_skip", {"prefetch": 2, "hot_skip": True}),
+    ("prefetch 1 + hot_skip, block_n 64", {"prefetch": 1, "hot_skip": True, "block_n": 64}),
+    ("prefetch 2 + hot_skip, block_n 64", {"prefetch": 2, "hot_skip": True, "block_n": 64}),
+    ("prefetch 1 + hot_skip, block_n 64, 8 warps", {"prefetch": 1, "hot_skip": True, "block_n": 64,
+                                                    "num_warps": 8}),
+    ("prefetch 1 + hot_skip, 1 stage", {"prefetch": 1, "hot_skip": True, "num_stages": 1}),
+]
+if SMOKE:
+    VARIANTS = [(n, {**o, **({"block_n": 16} if o.get("block_n") else {})}) for n, o in VARIANTS[:5]]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for decode_variants.md/.json")
+    p.add_argument("--budget-s", type=float, default=90.0, help="stop starting cases after this many seconds")
+    p.add_argument("--rep", type=float, default=25.0, help="do_bench repetition time (ms)")
+    return p.parse_args(argv)
+
+
+def timed(fn, rep: float) -> float:
+    if SMOKE:
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+
+
+def build_case(batch: int, ctx: int, seed: int):
+    """Pages, an INT2 store written by the write kernel (hot rows for sink/recent), BF16 buffers, a query."""
+    paged = scenario.paged_layout([ctx] * batch, PAGE, seed, spare_pages=0, device=DEVICE)
+    hot_per_req = min(ctx, SINK + RECENT)
+    store = layout.empty_store(paged.num_slots, KV, D, None, batch * hot_per_req, DEVICE)
+    hot_index = scenario.assign_hot(store, paged, SINK, RECENT)
+    rot = scenario.random_rotation(KV, D, seed, device=DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    chunk = 1 << 16
+    for lo in range(0, paged.num_slots, chunk):  # every slot once (the padding slot too): random rows
+        slots = torch.arange(lo, min(lo + chunk, paged.num_slots), device=DEVICE)
+        k = torch.randn(len(slots), KV, D, generator=g, device=DEVICE, dtype=torch.bfloat16) + 1.5
+        v = torch.randn(len(slots), KV, D, generator=g, device=DEVICE, dtype=torch.bfloat16)
+        api.write_kv(k, v, slots, store, rot, hot_index[slots].long(), backend="triton")
+    kb = torch.randn(paged.num_slots, KV, D, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    vb = torch.randn(paged.num_slots, KV, D, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    q = torch.randn(batch, KV * GQA, D, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    return paged, store, rot, kb, vb, q
+
+
+def measure(args) -> dict:
+    start = time.time()
+    rows, problems = [], []
+    for ci, (batch, ctx) in enumerate(CASES):
+        if time.time() - start > args.budget_s:
+            problems.append(f"batch {batch} context {ctx}: not run, --budget-s {args.budget_s:g} spent")
+            continue
+        paged, store, rot, kb, vb, q = build_case(batch, ctx, seed=ci)
+        targs = (paged.req_to_token, paged.req_pool_indices, paged.seq_lens, D**-0.5)
+        row = {"batch": batch, "context": ctx,
+               "int2_MB": (store.k_codes.numel() + store.v_codes.numel()) / 1e6,
+               "bf16_ms": timed(lambda: bf16_baseline.decode_attention_bf16(q, kb, vb, *targs, max_seq_len=ctx),
+                                args.rep)}
+        first = None
+        for label, opts in VARIANTS:
+            def run(opts=opts):
+                return decode_tk.decode_attention(q, store, rot, *targs, max_seq_len=ctx, **opts)
+            try:
+                out = run()
+                if first is None:
+                    first = out.float()
+                    if ci == 0:  # the kernel as it was, against the plain-torch reference, once
+                        ref = reference.decode_attention(q, store, rot, *targs).float()
+                        row["first_vs_reference"] = ((first - ref).abs().max() / ref.abs().max()).item()
+                err = ((out.float() - first).abs().max() / first.abs().max()).item()
+                row[label] = {"ms": timed(run, args.rep), "rel_diff_vs_first": err}
+                if err > 2e-2:
+                    problems.append(f"batch {batch} context {ctx} {label}: differs from the first by {err:.2e}")
+            except Exception as e:  # noqa: BLE001  (a variant that does not compile is a finding, not a crash)
+                row[label] = {"ms": None, "note": f"{type(e).__name__}: {str(e)[:160]}"}
+            print(f"batch {batch} ctx {ctx} {label}: {row[label]}", flush=True)
+        print(f"batch {batch} ctx {ctx} BF16 Triton: {row['bf16_ms']:.3f} ms", flush=True)
+        rows.append(row)
+        del paged, store, kb, vb
+    return {"device": "CPU (interpreter)" if SMOKE else torch.cuda.get_device_name(),
+            "triton": triton.__version__, "torch": torch.__version__, "seconds": round(time.time() - start, 1),
+            "command": " ".join([sys.executable, *sys.argv]), "rows": rows, "problems": problems}
+
+
+def markdown(res: dict) -> str:
+    labels = [label for label, _ in VARIANTS]
+    out = ["# INT2 decode loop variants", "",
+           f"Device {res['device']}, triton {res['triton']}, torch {res['torch']}; {res['seconds']} s.",
+           f"Command: `{res['command']}`", "",
+           f"{KV * GQA} query / {KV} KV heads, d {D}, pages of {PAGE}, sink {SINK} + recent {RECENT} hot. "
+           "ms (median); in brackets the BF16 Triton decode's time over this variant's (> 1: INT2 faster).", "",
+           "| batch | context | BF16 Triton ms | " + " | ".join(labels) + " |",
+           "|---|---|---|" + "---|" * len(labels)]
+    for r in res["rows"]:
+        cells = []
+        for label in labels:
+            ms = r[label].get("ms")
+            cells.append(f"{ms:.3f} ({r['bf16_ms'] / ms:.2f})" if ms else r[label].get("note", "-"))
+        out.append(f"| {r['batch']} | {r['context']} | {r['bf16_ms']:.3f} | " + " | ".join(cells) + " |")
+    out += ["", "Agreement: " + "; ".join(f"b{r['batch']} {r['context']}: worst variant vs first "
+                                          f"{max((r[x].get('rel_diff_vs_first') or 0) for x in labels):.1e}"
+                                          + (f", first vs reference {r['first_vs_reference']:.1e}"
+                                             if "first_vs_reference" in r else "") for r in res["rows"])]
+    out += [f"- problem: {p}" for p in res["problems"]]
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    res = measure(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_variants.json").write_text(json.dumps(res, indent=1))
+    text = markdown(res)
+    (args.out / "decode_variants.md").write_text(text)
+    print(text)
+    return 1 if res["problems"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
