@@ -26,8 +26,9 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 # scripts/bench_extend.py times on the GPU
 EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block_n": 64}, {"num_warps": 4})
 # the decode loop's variants that scripts/device/decode_variants.py times (the first H200 run: latency-bound)
-DECODE_VARIANTS = ({"hot_skip": True}, {"prefetch": 1, "hot_skip": True}, {"prefetch": 2, "hot_skip": True},
-                   {"prefetch": 1, "hot_skip": True, "block_n": 64}, {"prefetch": 2, "hot_skip": True, "block_n": 64})
+# (the default since then: block_n 64, prefetch 1, hot_skip; these are the others)
+DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"block_n": 32, "prefetch": 1},
+                   {"block_n": 32, "prefetch": 2}, {"prefetch": 2}, {"block_n": 128})
 
 
 class _Recorder:

@@ -188,21 +188,26 @@ def test_the_decode_tile_line_names_the_tile_fastest_over_every_swept_case(tmp_p
         return dict(goals.DECODE_TILE, d=128, batch=batch, context=ctx, int2_ms=ms, triton_bf16_ms=1.0, **tile)
 
     tuning = [row(1, 131072, 0.50), row(32, 16384, 1.00),
-              row(1, 131072, 0.55, block_n=64), row(32, 16384, 1.10, block_n=64),          # 1.1 x 1.1 = 1.21
+              row(1, 131072, 0.55, block_n=32), row(32, 16384, 1.10, block_n=32),          # 1.1 x 1.1 = 1.21
               row(1, 131072, 0.30, num_warps=8), row(32, 16384, 0.95, num_warps=8),        # 0.6 x 0.95 = 0.57
               row(1, 131072, 0.10, num_stages=3), row(32, 16384, None, num_stages=3)]      # one case failed
-    line = goals.decode_tile_line({"tuning": tuning})
+    meta = {"decode_default_tile": dict(goals.DECODE_TILE)}   # what bench_kernels.py records since 2026-12-04
+    line = goals.decode_tile_line({"meta": meta, "tuning": tuning})
     knob = line.split("OSCAR_SGLANG_DECODE_KERNEL=")[1].rstrip(")\n")
     assert decode_kernel_options({"OSCAR_SGLANG_DECODE_KERNEL": knob}) == dict(goals.DECODE_TILE, num_warps=8)
     assert line.startswith(f"decode tiles (not a goal): fastest swept tile {1 / 0.57 ** 0.5:.2f}x the default's "
                            "speed (d 128 batch 1 128k: 0.300 vs 0.500 ms; d 128 batch 32 16k: 0.950 vs 1.000 ms)")
     slower = [r for r in tuning if r["num_warps"] != 8]
-    assert goals.decode_tile_line({"tuning": slower}) == (
-        "decode tiles (not a goal): the default (block_n=32,num_warps=4,num_stages=2) was the fastest of 2 swept\n")
-    assert goals.decode_tile_line({"tuning": tuning[2:]}) == goals.decode_tile_line(None) == ""   # no default row
-    (tmp_path / "bench_kernels.json").write_text(json.dumps({"tuning": tuning}))
+    assert goals.decode_tile_line({"meta": meta, "tuning": slower}) == (
+        "decode tiles (not a goal): the default (block_n=64,num_warps=4,num_stages=2) was the fastest of 2 swept\n")
+    assert goals.decode_tile_line({"meta": meta, "tuning": tuning[2:]}) == goals.decode_tile_line(None) == ""
+    # A report of before the default was recorded (the first H200 run's): its default was block_n 32, whose
+    # rows here are the slower ones: the block_n 64 rows (today's default) are the faster tile, not the default.
+    assert goals.fastest_decode_tile({"tuning": slower})["knob"] == "block_n=64,num_warps=4,num_stages=2"
+    assert goals.fastest_decode_tile({"tuning": slower})["default"] is False
+    (tmp_path / "bench_kernels.json").write_text(json.dumps({"meta": meta, "tuning": tuning}))
     assert goals.main([str(tmp_path)]) == 0
-    assert "OSCAR_SGLANG_DECODE_KERNEL=block_n=32,num_warps=8,num_stages=2)" in capsys.readouterr().out
+    assert "OSCAR_SGLANG_DECODE_KERNEL=block_n=64,num_warps=8,num_stages=2)" in capsys.readouterr().out
 
 
 def test_a_missing_int2_wave_is_sized_for_a_rerun_from_the_first_runs_own_numbers(tmp_path):

@@ -78,7 +78,7 @@ def test_decode_kernel_matches_reference(d, gqa, page, hot, formats, splits):
         assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (in_kernel, (out - ref).abs().max())
 
 
-@pytest.mark.parametrize("prefetch,hot_skip", [(0, True), (1, False), (1, True), (2, False), (2, True)])
+@pytest.mark.parametrize("prefetch,hot_skip", [(0, False), (0, True), (1, False), (1, True), (2, False), (2, True)])
 def test_pipelined_decode_loops_match_the_reference(prefetch, hot_skip):
     """The split kernel's loop loading ahead (slots, entries, rows of later blocks) and skipping the BF16 reads of
     all-cold blocks: the same attention, over splits that end mid-block, empty requests and one-block ones."""

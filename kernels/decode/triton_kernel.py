@@ -203,9 +203,9 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, v_rot: torch.Tensor
 def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, max_seq_len: int | None = None,
-                     block_n: int = 32, num_warps: int = 4, num_stages: int = 2,
-                     rotate_q_in_kernel: bool | None = None, hot_skip: bool = False,
-                     prefetch: int = 0) -> torch.Tensor:
+                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                     rotate_q_in_kernel: bool | None = None, hot_skip: bool = True,
+                     prefetch: int = 1) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
 
     ``rotate_q_in_kernel`` (default: automatic): rotate the queries inside the split kernel (two launches
@@ -219,7 +219,10 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     ``hot_skip``: read the BF16 hot copies only in blocks that have a hot row.  ``prefetch`` (0, 1, 2): how far
     the split kernel's loop loads ahead (0: a block's slots, hot entries and rows one after the other, three
     memory latencies in turn per block; 1: slots two blocks ahead and entries one; 2: also the rows one
-    block ahead, in registers).  The first H200 run (2026-12-04) found the decode latency-bound at 0.
+    block ahead, in registers).  The defaults (block_n 64, prefetch 1, hot_skip) are the fastest of the
+    variants timed on the H200 (docs/gpu/run2/decode_variants.md, 2026-12-04): 1.23x, 1.69x and 1.60x the
+    speed of the first run's loop (block_n 32, prefetch 0, no hot_skip) at batch 1 / 32 at 32k and batch
+    128 at 16k.
     """
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")

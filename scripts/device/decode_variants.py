@@ -45,21 +45,24 @@ DEVICE = torch.device("cpu" if SMOKE else "cuda")
 KV, GQA, D, PAGE = (2, 4, 64, 16) if SMOKE else (8, 4, 128, 16)
 SINK, RECENT = (4, 8) if SMOKE else (64, 256)
 CASES = [(1, 200), (2, 96)] if SMOKE else [(1, 32768), (32, 32768), (128, 16384)]  # (batch, context)
-# (label, decode_attention options); the first is the kernel as it was at the first GPU run
+# (label, decode_attention options); the first is the kernel as it was at the first GPU run, the sixth
+# ("prefetch 1 + hot_skip, block_n 64") its default since the second (docs/gpu/run2/decode_variants.md)
+RUN1 = {"block_n": 32, "prefetch": 0, "hot_skip": False}
 VARIANTS = [
-    ("as run 1", {}),
-    ("hot_skip", {"hot_skip": True}),
-    ("prefetch 1", {"prefetch": 1}),
-    ("prefetch 1 + hot_skip", {"prefetch": 1, "hot_skip": True}),
-    ("prefetch 2 + hot_skip", {"prefetch": 2, "hot_skip": True}),
+    ("as run 1", RUN1),
+    ("hot_skip", {**RUN1, "hot_skip": True}),
+    ("prefetch 1", {**RUN1, "prefetch": 1}),
+    ("prefetch 1 + hot_skip", {**RUN1, "prefetch": 1, "hot_skip": True}),
+    ("prefetch 2 + hot_skip", {**RUN1, "prefetch": 2, "hot_skip": True}),
     ("prefetch 1 + hot_skip, block_n 64", {"prefetch": 1, "hot_skip": True, "block_n": 64}),
     ("prefetch 2 + hot_skip, block_n 64", {"prefetch": 2, "hot_skip": True, "block_n": 64}),
     ("prefetch 1 + hot_skip, block_n 64, 8 warps", {"prefetch": 1, "hot_skip": True, "block_n": 64,
                                                     "num_warps": 8}),
-    ("prefetch 1 + hot_skip, 1 stage", {"prefetch": 1, "hot_skip": True, "num_stages": 1}),
+    ("prefetch 1 + hot_skip, 1 stage", {**RUN1, "prefetch": 1, "hot_skip": True, "num_stages": 1}),
+    ("prefetch 1 + hot_skip, block_n 128", {"prefetch": 1, "hot_skip": True, "block_n": 128}),
 ]
 if SMOKE:
-    VARIANTS = [(n, {**o, **({"block_n": 16} if o.get("block_n") else {})}) for n, o in VARIANTS[:5]]
+    VARIANTS = [(n, {**o, "block_n": 16}) for n, o in VARIANTS[:5]]
 
 
 def parse_args(argv=None):

@@ -302,7 +302,10 @@ def prefill_line(kernels: dict | None) -> str:
 
 # kernels/decode/triton_kernel.decode_attention's tile defaults (the first row of bench_kernels' TUNE_GRID);
 # repeated here because this script runs on a bare python3.
-DECODE_TILE = {"block_n": 32, "num_warps": 4, "num_stages": 2}
+DECODE_TILE = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+# the default of the reports written before bench_kernels.py recorded it (meta "decode_default_tile"): the first
+# H200 run's, 2026-12-04
+DECODE_TILE_BEFORE_RECORDED = {"block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
 def fastest_decode_tile(kernels: dict | None) -> dict | None:
@@ -313,6 +316,7 @@ def fastest_decode_tile(kernels: dict | None) -> dict | None:
     Only tiles measured in every swept case that has a default row compete; the best has the smallest
     geometric mean of its time over the default's time."""
     rows = [r for r in (kernels or {}).get("tuning", []) if r.get("int2_ms")]
+    tile_default = (kernels or {}).get("meta", {}).get("decode_default_tile", DECODE_TILE_BEFORE_RECORDED)
 
     def case(r):
         return r["d"], r["batch"], r["context"]
@@ -320,7 +324,7 @@ def fastest_decode_tile(kernels: dict | None) -> dict | None:
     def tile(r):
         return tuple(r[k] for k in DECODE_TILE)
 
-    default = {case(r): r["int2_ms"] for r in rows if tile(r) == tuple(DECODE_TILE.values())}
+    default = {case(r): r["int2_ms"] for r in rows if tile(r) == tuple(tile_default[k] for k in DECODE_TILE)}
     ratios: dict[tuple, dict] = {}
     for r in rows:
         if case(r) in default:
@@ -332,7 +336,7 @@ def fastest_decode_tile(kernels: dict | None) -> dict | None:
     times = {case(r): r["int2_ms"] for r in rows if tile(r) == best}
     return {"knob": ",".join(f"{k}={v}" for k, v in zip(DECODE_TILE, best)),
             "speedup": 1 / statistics.geometric_mean(complete[best].values()),
-            "default": best == tuple(DECODE_TILE.values()), "swept": len(complete),
+            "default": best == tuple(tile_default[k] for k in DECODE_TILE), "swept": len(complete),
             "cases": "; ".join(f"d {d} batch {b} {_tokens(c)}: {times[(d, b, c)]:.3f} vs {default[(d, b, c)]:.3f} ms"
                                for d, b, c in sorted(default))}
 
