@@ -20,8 +20,8 @@
 #                  1.2x as fast as the Triton kernel, becomes the INT2 server's (OSCAR_SGLANG_EXTEND_KERNEL=sdpa,
 #                  scripts/device/prefill_probe.py); not when the knob is set
 #   servers        the real SGLang servers, BF16 (triton backend, CUDA graphs) vs oscar-int2, dummy weights
-#                  of Llama-3-8B geometry, same KV budget: capacity, then sglang.bench_serving at 32k and
-#                  8k input, concurrency 1 and the largest each capacity allows: output and decode tok/s, TTFT,
+#                  of Llama-3-8B geometry, same KV budget: capacity, then sglang.bench_serving at 32k
+#                  input, concurrency 1 and the largest each capacity allows: output and decode tok/s, TTFT,
 #                  ITL (scripts/device/serve_bench.py)
 #   bench_kernels  INT2 decode vs the best BF16 decode (Triton split-K, SDPA flash, FlashInfer if there),
 #                  bandwidth as a fraction of the measured copy bandwidth; prefill attention of a 32k prompt in
@@ -31,6 +31,8 @@
 #   decode_variants  only when ONLY names it, before the kernel tests: the INT2 decode loop's variants and tiles
 #                  side by side with the BF16 decode (scripts/device/decode_variants.py, after run 1 found the
 #                  decode latency-bound)
+#   decode_profile only when ONLY names it (GPU and ncu): Nsight Compute's counters of the decode split kernel,
+#                  run 1's loop and the default (decode_variants.py --profile)
 # Without CUDA (the dry run) the same steps run small: a 4-layer model of the GPU run's head shape (head_dim 128,
 # GQA 4:1; scripts/dummy_models.py llama-d128-small), short prompts, the interpreter.
 #
@@ -89,7 +91,7 @@ only_with_needs() {  # ONLY with the steps that the chosen ones need (printed)
     local only="$1"
     [[ " $only " == *" servers "* ]] && only="install models prefill_probe $only"
     [[ " $only " == *" kernel_tests "* ]] && only="install $only"  # its CUDA-graph test serves through SGLang
-    [[ " $only " == *" decode_variants "* ]] && only="install $only"
+    [[ " $only " == *" decode_variants "* || " $only " == *" decode_profile "* ]] && only="install $only"
     [[ " $only " == *" calibration "* ]] && only="models $only"
     echo "$only"
 }
@@ -188,6 +190,16 @@ if [[ " ${ONLY:-} " == *" decode_variants "* ]]; then  # opt-in: a diagnosis, no
     step decode_variants $([ "$GPU" = 1 ] && echo 120 || echo 300) "${INTERP[@]}" "$PY" \
         "$ROOT/scripts/device/decode_variants.py" --out "$RES" --budget-s "${VARIANTS_BUDGET_S:-70}"
 fi
+# Opt-in too: Nsight Compute's counters (speed of light, occupancy, warp stalls, memory) for the decode split
+# kernel, run 1's loop and today's default (decode_variants.py --profile); GPU only, where ncu reads counters.
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+if [[ " ${ONLY:-} " == *" decode_profile "* ]] && [ "$GPU" = 1 ] && [ -n "$NCU" ]; then
+    step decode_profile 240 "$NCU" --clock-control none --kernel-name regex:_decode_split_kernel --launch-count 4 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis "$PY" "$ROOT/scripts/device/decode_variants.py" --out "$RES" --profile
+elif [[ " ${ONLY:-} " == *" decode_profile "* ]]; then
+    echo "== decode_profile: skipped (needs a GPU and Nsight Compute's ncu)" | tee -a "$RES/summary.txt"
+fi
 mapfile -t KERNEL_TESTS < <(kernel_test_paths)
 step kernel_tests $([ "$GPU" = 1 ] && echo 150 || echo 900) "${INTERP[@]}" "$PY" -m pytest -v -rfE --durations=15 \
     -p no:cacheprovider "${XDIST[@]}" --rootdir "$ROOT" "${KERNEL_TESTS[@]}"
@@ -196,9 +208,10 @@ step kernel_tests $([ "$GPU" = 1 ] && echo 150 || echo 900) "${INTERP[@]}" "$PY"
 if [ "$GPU" = 1 ]; then
     # The servers get what is left of DEVICE_LIMIT_S (the device tool's timeout_s, less a margin), less what the
     # kernel benchmark after them needs: 150-420 s in a whole run, never more than is left in a short rerun.
-    # 32k input first: every goal is stated at 32k.
+    # 32k input only: every goal is stated at 32k, and in the first H200 run (2026-12-04) the servers' 226 s
+    # did not reach past 32k (each bench_serving call costs ~15 s before its first request).
     reserve=0; wanted bench_kernels && reserve=$(( ${BENCH_BUDGET_S:-80} + 90 ))
-    GEOM=llama3-8b; SERVE=(--input-lens 32768 8192 --output-len 256 --kv-budget-gib 16 --run-timeout 120
+    GEOM=llama3-8b; SERVE=(--input-lens 32768 --output-len 256 --kv-budget-gib 16 --run-timeout 120
                            --max-concurrency-cap 256)
 else
     GEOM=llama-d128-small; SERVE=(--input-lens 256 --output-len 8 --kv-budget-gib 1 --run-timeout 200

@@ -9,6 +9,11 @@ so this times the loop's variants (``decode_attention``'s ``prefetch`` and
 ``hot_skip``) and tiles in one run, to choose the default from numbers:
 
     python scripts/device/decode_variants.py --out OUT [--budget-s 90]
+    ncu ... python scripts/device/decode_variants.py --out OUT --profile   # one case, a few launches each
+
+``--profile``: no timing; the first run's loop and today's default, each launched twice on batch 32 at 32k
+(the servers' largest 32k wave is about that), for Nsight Compute to read the counters of (device_check.sh's
+opt-in ``decode_profile`` step).
 
 Each case: 32 query / 8 KV heads, d 128, pages of 16 slots in random order,
 an INT2 store written by the write kernel from random rows, sink 64 + recent
@@ -70,6 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, required=True, help="folder for decode_variants.md/.json")
     p.add_argument("--budget-s", type=float, default=90.0, help="stop starting cases after this many seconds")
     p.add_argument("--rep", type=float, default=25.0, help="do_bench repetition time (ms)")
+    p.add_argument("--profile", action="store_true", help="launch two variants twice each on one case, untimed")
     return p.parse_args(argv)
 
 
@@ -164,8 +170,29 @@ def markdown(res: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+PROFILED = ("as run 1", "prefetch 1 + hot_skip, block_n 64")  # the first run's loop, the default since run 2
+
+
+def profile() -> int:
+    """Each of :data:`PROFILED` launched twice (compiled first) on one case; nothing timed here."""
+    batch, ctx = CASES[1]
+    paged, store, rot, kb, vb, q = build_case(batch, ctx, seed=1)
+    targs = (paged.req_to_token, paged.req_pool_indices, paged.seq_lens, D**-0.5)
+    outs = []
+    for label, opts in VARIANTS:
+        if label in PROFILED:
+            for _ in range(2):
+                outs.append(decode_tk.decode_attention(q, store, rot, *targs, max_seq_len=ctx, **opts).float())
+            print(f"profiled batch {batch} ctx {ctx}: {label} ({opts})", flush=True)
+    err = ((outs[-1] - outs[0]).abs().max() / outs[0].abs().max()).item()
+    print(f"last vs first variant: max relative difference {err:.1e}", flush=True)
+    return 0 if err < 2e-2 else 1
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.profile:
+        return profile()
     res = measure(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_variants.json").write_text(json.dumps(res, indent=1))

@@ -1,0 +1,31 @@
+"""scripts/device/decode_variants.py on CPU: its profile mode runs the kernels it names (under the interpreter),
+and its report says which variant was how fast against the BF16 decode, and where one did not run."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts" / "device"))
+import decode_variants  # noqa: E402
+
+
+def test_profile_mode_launches_the_named_variants_and_agrees(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts/device/decode_variants.py"), "--out", str(tmp_path),
+                        "--profile"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "profiled batch 2 ctx 96: as run 1" in r.stdout
+    assert "max relative difference 0.0e+00" in r.stdout     # the same kernel twice, the same result
+
+
+def test_report_gives_each_variants_time_and_its_ratio_to_bf16():
+    labels = [label for label, _ in decode_variants.VARIANTS]
+    row = {"batch": 32, "context": 32768, "bf16_ms": 1.0, "first_vs_reference": 5e-3,
+           **{label: {"ms": 2.0, "rel_diff_vs_first": 1e-3} for label in labels}}
+    row[labels[1]] = {"ms": None, "note": "OutOfResources: shared memory"}
+    text = decode_variants.markdown({"device": "X", "triton": "3.6.0", "torch": "2.11", "seconds": 1.0,
+                                     "command": "cmd", "rows": [row], "problems": ["a problem"]})
+    line = next(x for x in text.splitlines() if x.startswith("| 32 | 32768 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == "1.000" and cells[3] == "2.000 (0.50)" and cells[4] == "OutOfResources: shared memory"
+    assert "first vs reference 5.0e-03" in text and "- problem: a problem" in text
