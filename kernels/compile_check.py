@@ -28,7 +28,8 @@ EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block
 # the decode loop's variants that scripts/device/decode_variants.py times (the first H200 run: latency-bound)
 # (the default since then: block_n 64, prefetch 1, hot_skip; these are the others)
 DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"block_n": 32, "prefetch": 1},
-                   {"block_n": 32, "prefetch": 2}, {"prefetch": 2}, {"block_n": 128})
+                   {"block_n": 32, "prefetch": 2}, {"prefetch": 2}, {"block_n": 128},
+                   {"dots": "bf16"}, {"dots": "bf16", "block_n": 128})
 
 
 class _Recorder:

@@ -98,6 +98,22 @@ def test_pipelined_decode_loops_match_the_reference(prefetch, hot_skip):
         api.decode_attention(*args, backend="triton", prefetch=3)
 
 
+def test_decode_with_bf16_dots_is_within_bf16_rounding_of_the_reference():
+    """``dots="bf16"``: queries, keys, softmax weights and values rounded to bf16 before the dots (fp32 sums)."""
+    paged, rot, store = build([1, 17, 70], 128, None, 16, True, 11, formats=FORMATS[3])
+    q = torch.randn(3, KV * 4, 128, generator=torch.Generator().manual_seed(11)).to(DEVICE)
+    args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+    ref = reference.decode_attention(*args, 128**-0.5)
+    out = api.decode_attention(*args, backend="triton", num_splits=2, block_n=16, dots="bf16")
+    err = (out - ref).abs().max().item()
+    tf32 = (api.decode_attention(*args, backend="triton", num_splits=2, block_n=16) - ref).abs().max().item()
+    # bf16 operands: an error of their rounding (2^-6 of the output's scale, as the extend tests' bf16 bound;
+    # 3e-3 of it here on CPU), and more than the fp32 operands' (1e-6 on CPU, TF32's ~1e-3 on a GPU)
+    assert tf32 < err < 2**-6 * ref.abs().max().item(), (err, tf32)
+    with pytest.raises(ValueError, match="dots"):
+        api.decode_attention(*args, backend="triton", dots="fp8")
+
+
 def test_decode_split_count_does_not_change_the_result():
     paged, rot, store = build([3, 70], 64, 64, 16, True, 7)
     q = torch.randn(2, KV * 4, 64, device=DEVICE)

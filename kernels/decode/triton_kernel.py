@@ -35,6 +35,10 @@ ROTATE_IN_KERNEL_WAVES = 2  # decode_attention's automatic choice of where the q
 # fp32 dot operands: TF32 tensor cores on the GPU (about 1e-3 relative per
 # product, below bf16's 4e-3); the interpreter computes them in fp32.
 DOT_PRECISION = "tf32"
+# ``decode_attention(dots=...)``: "tf32" (the default, fp32 operands) or "bf16" (every dot operand rounded to bf16,
+# fp32 accumulation, as the extend kernel's default: half the operand bytes through shared memory); a variant
+# for the GPU to time (scripts/device/decode_variants.py), not yet measured there
+DOT_CHOICES = ("tf32", "bf16")
 
 
 @triton.jit
@@ -205,7 +209,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                      num_splits: int | None = None, max_seq_len: int | None = None,
                      block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      rotate_q_in_kernel: bool | None = None, hot_skip: bool = True,
-                     prefetch: int = 1) -> torch.Tensor:
+                     prefetch: int = 1, dots: str = DOT_PRECISION) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
 
     ``rotate_q_in_kernel`` (default: automatic): rotate the queries inside the split kernel (two launches
@@ -226,6 +230,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     """
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")
+    if dots not in DOT_CHOICES:
+        raise ValueError(f"dots must be one of {DOT_CHOICES}, got {dots!r}")
     bsz, q_heads, d = q.shape
     kv, kf, vf = store.kv_heads, store.k_format, store.v_format
     gq = q_heads // kv
@@ -248,7 +254,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q_in.stride(0), q_in.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
         GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
-        K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=DOT_PRECISION,
+        K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
         K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
         PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
     )

@@ -65,6 +65,8 @@ VARIANTS = [
                                                     "num_warps": 8}),
     ("prefetch 1 + hot_skip, 1 stage", {**RUN1, "prefetch": 1, "hot_skip": True, "num_stages": 1}),
     ("prefetch 1 + hot_skip, block_n 128", {"prefetch": 1, "hot_skip": True, "block_n": 128}),
+    ("default, bf16 dots", {"dots": "bf16"}),
+    ("default, bf16 dots, block_n 128", {"dots": "bf16", "block_n": 128}),
 ]
 if SMOKE:
     VARIANTS = [(n, {**o, "block_n": 16}) for n, o in VARIANTS[:5]]
