@@ -48,6 +48,10 @@ EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (n
 # tiles" line), tried on the real server the same way; unset = the defaults.
 ENV_DECODE_KERNEL = "OSCAR_SGLANG_DECODE_KERNEL"
 DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages")
+# and the loop's variants (kernels/decode/triton_kernel.decode_attention; pinned there by a test), e.g.
+# "dots=bf16" or "prefetch=0,hot_skip=0" (the first H200 run's loop)
+DECODE_CHOICES = {"dots": ("tf32", "bf16"), "prefetch": ("0", "1", "2"), "hot_skip": ("0", "1")}
+_CHOICE_VALUE = {"prefetch": int, "hot_skip": lambda raw: raw == "1"}
 
 # Concurrent requests whose sink and recent windows the BF16 hot side pool
 # holds (capped by --max-running-requests when that is smaller).
@@ -183,29 +187,31 @@ def extend_kernel_options(environ=os.environ) -> dict:
     ``{"backend": "sdpa"}`` for :data:`EXTEND_SDPA` (``kernels.api.extend_attention``'s SDPA path)."""
     if environ.get(ENV_EXTEND_KERNEL, "").strip() == EXTEND_SDPA:
         return {"backend": EXTEND_SDPA}
-    return _kernel_options(environ, ENV_EXTEND_KERNEL, EXTEND_INT_KEYS, EXTEND_DOTS)
+    return _kernel_options(environ, ENV_EXTEND_KERNEL, EXTEND_INT_KEYS, {"dots": EXTEND_DOTS})
 
 
 def decode_kernel_options(environ=os.environ) -> dict:
     """Keyword arguments for the Triton decode kernel from :data:`ENV_DECODE_KERNEL` (``{}`` when unset)."""
-    return _kernel_options(environ, ENV_DECODE_KERNEL, DECODE_INT_KEYS, ())
+    return _kernel_options(environ, ENV_DECODE_KERNEL, DECODE_INT_KEYS, DECODE_CHOICES)
 
 
-def _kernel_options(environ, name: str, int_keys: tuple, dots: tuple) -> dict:
+def _kernel_options(environ, name: str, int_keys: tuple, choices: dict) -> dict:
     """``KEY=VALUE,...`` of a kernel knob: integer tile keys (powers of two; ``block_n``, a dot's inner size,
-    at least 16; ``num_stages`` any positive integer) and, where the kernel has the choice, ``dots``."""
+    at least 16; ``num_stages`` any positive integer) and keys with a few ``choices`` (``dots``; the decode
+    loop's ``prefetch`` and ``hot_skip``)."""
     value = environ.get(name, "").strip()
-    keys = (*int_keys, "dots") if dots else int_keys
+    keys = (*int_keys, *choices)
     options: dict = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         key, sep, raw = (x.strip() for x in item.partition("="))
         if not sep or key not in keys or key in options:
             raise OscarConfigError(f"{name}={value!r}: expected comma-separated KEY=VALUE, each key "
-                                   f"once, of {', '.join(keys)}" + (f"; or {EXTEND_SDPA}" if dots else ""))
-        if key == "dots":
-            if raw not in dots:
-                raise OscarConfigError(f"{name}: dots={raw!r}, expected one of {', '.join(dots)}")
-            options[key] = raw
+                                   f"once, of {', '.join(keys)}"
+                                   + (f"; or {EXTEND_SDPA}" if name == ENV_EXTEND_KERNEL else ""))
+        if key in choices:
+            if raw not in choices[key]:
+                raise OscarConfigError(f"{name}: {key}={raw!r}, expected one of {', '.join(choices[key])}")
+            options[key] = _CHOICE_VALUE.get(key, str)(raw)
             continue
         n = int(raw) if raw.isdigit() else 0
         if key == "num_stages":
