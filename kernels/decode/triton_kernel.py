@@ -101,26 +101,25 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
             tmask = t < end
             t_lead = n0 + LEAD * BLOCK_N + n
             s_lead = block_slots(t_lead, t_lead < end, tok_row)
-            if PREFETCH == 2:
+            if PREFETCH == 2:  # block j+2's entries, block j+1's rows (block j's were fetched the turn before)
                 t1 = t + BLOCK_N
                 e2 = slot_entries(s2, t1 + BLOCK_N < end, hot_index)
                 nkw, nks, nkz, nvw, nvs, nvz = fetch_block(s1, e1, t1 < end, kvh, KV, k_codes, k_scale, k_zero,
                                                            v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
                                                            K_SYM, V_SYM)
-                m, l, a0, a1, a2, a3 = attend_fetched_block(
-                    e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                    q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
-                kw, ks, kz, vw, vs, vz = nkw, nks, nkz, nvw, nvs, nvz
-                e0, e1 = e1, e2
-                s1, s2 = s2, s_lead
-            else:
+            else:  # block j+1's entries, block j's rows
                 e1 = slot_entries(s1, t + BLOCK_N < end, hot_index)
                 kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
                                                      v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
                                                      K_SYM, V_SYM)
-                m, l, a0, a1, a2, a3 = attend_fetched_block(
-                    e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                    q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
+            m, l, a0, a1, a2, a3 = attend_fetched_block(
+                e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
+            if PREFETCH == 2:
+                kw, ks, kz, vw, vs, vz = nkw, nks, nkz, nvw, nvs, nvz
+                e0, e1 = e1, e2
+                s1, s2 = s2, s_lead
+            else:
                 s0, e0 = s1, e1
                 s1 = s_lead
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
