@@ -45,6 +45,7 @@
 #                    "--input-lens 32768 --largest-only --cuda-graph-max-bs 32": only the run the first one lacked
 #   KERNEL_TEST_IDS  the kernel tests to run instead of all (paths under tests/, pytest ids allowed), e.g.
 #                    "test_hot_plan.py test_kernels_decode.py::test_pipelined_decode_loops_match_the_reference"
+#   VARIANTS_BUDGET_S  decode_variants' budget (70 s: no case is started after it)
 #   BENCH_BUDGET_S   the kernel benchmark's decode budget (80 s; its step's limit is 70 s more: the write,
 #                    hot-update and prefill sections after it, the prefill one capped at 20 s)
 # Without CUDA only: INTERPRETER_PYTHONPATH goes first on the path of the two steps that run Triton's interpreter
