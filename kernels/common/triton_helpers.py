@@ -113,14 +113,9 @@ def dequant_rows(word, scale, zero, hot_ptr, hot_row, hot, D: tl.constexpr, BITS
 @triton.jit
 def _hot_pieces(hot_ptr, hot_row, hot, x0, x1, x2, x3, D: tl.constexpr):
     """``x`` with the rows in ``hot`` replaced by their BF16 copies at ``hot_row`` (as fp32 pieces)."""
-    i = tl.arange(0, D // 4)
-    hp = hot_ptr + hot_row[:, None] * D + 4 * i[None, :]
+    h0, h1, h2, h3 = load_row_pieces(hot_ptr + hot_row * D, hot, D)
     hm = hot[:, None]
-    x0 = tl.where(hm, tl.load(hp + 0, mask=hm, other=0.0).to(tl.float32), x0)
-    x1 = tl.where(hm, tl.load(hp + 1, mask=hm, other=0.0).to(tl.float32), x1)
-    x2 = tl.where(hm, tl.load(hp + 2, mask=hm, other=0.0).to(tl.float32), x2)
-    x3 = tl.where(hm, tl.load(hp + 3, mask=hm, other=0.0).to(tl.float32), x3)
-    return x0, x1, x2, x3
+    return tl.where(hm, h0, x0), tl.where(hm, h1, x1), tl.where(hm, h2, x2), tl.where(hm, h3, x3)
 
 
 @triton.jit
@@ -148,8 +143,9 @@ def rotate_rows(x_ptr, mean_ptr, rot_ptr, tmask, HAS_MEAN: tl.constexpr, BLOCK_T
 
 
 @triton.jit
-def load_query_pieces(ptr, mask, D: tl.constexpr):
-    """Four pieces ``[ROWS, D // 4]`` of fp32 rows at ``ptr[ROWS]`` (row starts)."""
+def load_row_pieces(ptr, mask, D: tl.constexpr):
+    """Four pieces ``[ROWS, D // 4]`` of rows at ``ptr[ROWS]`` (row starts; any float dtype, loaded as fp32; rows
+    outside ``mask`` read as 0): the queries, the new keys and values, the hot rows' BF16 copies."""
     i = tl.arange(0, D // 4)
     p = ptr[:, None] + 4 * i[None, :]
     m = mask[:, None]

@@ -26,7 +26,7 @@ import triton.language as tl
 from oscar_sglang.rotation import rotate_queries
 
 from ..common.triton_helpers import (attend_fetched_block, attend_stored_block, bf16_rne, block_slots, fetch_block,
-                                     load_query_pieces, rotate_rows, slot_entries, store_pieces)
+                                     load_row_pieces, rotate_rows, slot_entries, store_pieces)
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
 LOG2E = 1.4426950408889634
@@ -65,7 +65,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         q0, q1, q2, q3 = rotate_rows(q_ptr + b * stride_qb + qh * stride_qh, q_rot, q_rot + kvh * D * D, hmask,
                                      False, BLOCK_H, D, 32)
     else:  # q_ptr: fp32 queries rotated before the launch
-        q0, q1, q2, q3 = load_query_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
+        q0, q1, q2, q3 = load_row_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from oscar_sglang.rotation import derotate_output, rotate_kv, rotate_queries
 
-from ..common.triton_helpers import attend_block, attend_stored_block, load_query_pieces, store_pieces
+from ..common.triton_helpers import attend_block, attend_stored_block, load_row_pieces, store_pieces
 from ..decode.triton_kernel import LOG2E, MAX_SPLITS, _processors, merge_splits
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
@@ -65,7 +65,7 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
     hh = r % GQP
     rmask = (tok < ext_len) & (hh < GQ)
     qrow = (first + tok) * Q_HEADS + kvh * GQ + hh  # row of q' and of the output
-    q0, q1, q2, q3 = load_query_pieces(q_ptr + qrow * D, rmask, D)
+    q0, q1, q2, q3 = load_row_pieces(q_ptr + qrow * D, rmask, D)
     if PREC == "bf16":  # rounded once here, not in every block's dots
         q0, q1, q2, q3 = q0.to(tl.bfloat16), q1.to(tl.bfloat16), q2.to(tl.bfloat16), q3.to(tl.bfloat16)
     m = tl.full([BLOCK_M * GQP], float("-inf"), tl.float32)
@@ -94,8 +94,8 @@ def _extend_kernel(q_ptr, kn_ptr, vn_ptr, out_ptr,
         t = n0 + tl.arange(0, BLOCK_N)
         tmask = t < hi
         nrow = (first + t) * KV + kvh
-        k0, k1, k2, k3 = load_query_pieces(kn_ptr + nrow * D, tmask, D)
-        v0, v1, v2, v3 = load_query_pieces(vn_ptr + nrow * D, tmask, D)
+        k0, k1, k2, k3 = load_row_pieces(kn_ptr + nrow * D, tmask, D)
+        v0, v1, v2, v3 = load_row_pieces(vn_ptr + nrow * D, tmask, D)
         valid = tmask[None, :] & (t[None, :] <= tok[:, None])
         m, l, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
                                             valid, qk_scale, m, l, a0, a1, a2, a3, PREC)
