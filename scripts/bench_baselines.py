@@ -47,6 +47,25 @@ import torch.nn.functional as F
 PAGE = 16
 
 
+# --------------------------------------------------------------------------- timing
+
+def timed_ms(fn: Callable[[], object], smoke: bool, warmup: int = 5, rep: float = 100,
+             cpu_runs: int = 2) -> float:
+    """Milliseconds per call of ``fn``: triton's ``do_bench`` median on the GPU (``warmup``, ``rep`` ms);
+    with ``smoke`` (CPU, the interpreter) one warm-up call, then the best of ``cpu_runs`` wall-clock calls."""
+    if not smoke:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    fn()
+    runs = []
+    for _ in range(cpu_runs):
+        t = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t)
+    return min(runs) * 1e3
+
+
 # --------------------------------------------------------------------------- copy bandwidth
 
 def copy_bandwidth(timed: Callable[[Callable[[], object]], float], device: torch.device, nbytes: int) -> dict:

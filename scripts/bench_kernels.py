@@ -146,15 +146,7 @@ else:
 
 def timed(fn) -> float:
     """Milliseconds per call: triton's do_bench (median) on the GPU; on the CPU the best of 2 after a warm-up."""
-    if not SMOKE:
-        return triton.testing.do_bench(fn, warmup=ARGS.warmup, rep=ARGS.rep, return_mode="median")
-    fn()
-    runs = []
-    for _ in range(2):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return min(runs) * 1e3
+    return bl.timed_ms(fn, SMOKE, ARGS.warmup, ARGS.rep)
 
 
 def sync() -> None:

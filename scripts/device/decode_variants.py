@@ -43,6 +43,9 @@ if SMOKE:
 import triton  # noqa: E402
 
 from oscar_sglang.kernels import api, layout, scenario  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench_baselines as bl  # noqa: E402
 from oscar_sglang.kernels.decode import bf16_baseline, reference  # noqa: E402
 from oscar_sglang.kernels.decode import triton_kernel as decode_tk  # noqa: E402
 
@@ -82,12 +85,8 @@ def parse_args(argv=None):
 
 
 def timed(fn, rep: float) -> float:
-    if SMOKE:
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    return triton.testing.do_bench(fn, warmup=5, rep=rep, return_mode="median")
+    """Milliseconds per call (``bench_baselines.timed_ms``; under the interpreter one call after a warm one)."""
+    return bl.timed_ms(fn, SMOKE, rep=rep, cpu_runs=1)
 
 
 def build_case(batch: int, ctx: int, seed: int):
