@@ -29,7 +29,8 @@ EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block
 # (the default since then: block_n 64, prefetch 1, hot_skip; these are the others)
 DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"block_n": 32, "prefetch": 1},
                    {"block_n": 32, "prefetch": 2}, {"prefetch": 2}, {"block_n": 128},
-                   {"dots": "bf16"}, {"dots": "bf16", "block_n": 128})
+                   {"dots": "bf16"}, {"dots": "bf16", "block_n": 128}, {"fold": True}, {"fold": True, "block_n": 128},
+                   {"fold": True, "prefetch": 2})
 
 
 class _Recorder:
@@ -55,6 +56,18 @@ def _type(v) -> str:
     if isinstance(v, float):
         return "fp32"
     raise TypeError(f"no Triton type for {type(v)}")
+
+
+def _specialized(v) -> tuple[str, object]:
+    """``(type, attribute)`` of an argument as Triton's launcher specializes it: a pointer 16-byte aligned and an
+    integer divisible by 16 get ``tt.divisibility 16`` (so loads vectorize as in a real launch), the integer 1
+    becomes a constant.  Triton's own function where this Triton has it; else the plain type."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.nvidia.compiler import CUDABackend
+    except ImportError:
+        return _type(v), None
+    return native_specialize_impl(CUDABackend, v, False, True, True)
 
 
 @contextlib.contextmanager
@@ -175,28 +188,39 @@ def _hot_set(sink_entries: int, recent_entries: int):
     return hs
 
 
+def compile_launch(fn, args: tuple, kwargs: dict, target):
+    """One recorded launch compiled for ``target`` as the launcher would (same signature, constants,
+    alignment attributes, options); returns Triton's compiled kernel (``.asm["cubin"]``, ``.metadata``)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    options = {n: kwargs[n] for n in LAUNCH_OPTIONS if n in kwargs}
+    sig, consts, attrs = {}, {}, {}
+    for i, (n, a) in enumerate(zip(names, args)):
+        sig[n], attr = _specialized(a)
+        if sig[n] == "constexpr":
+            consts[n] = attr
+        elif attr == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    for n, a in kwargs.items():
+        if n not in LAUNCH_OPTIONS:
+            sig[n] = "constexpr"
+            consts[n] = a
+    sig = {n: sig[n] for n in names}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=options)
+
+
 def compile_all(arch: int = 90, verbose: bool = True) -> list[dict]:
     """Compile every recorded launch for ``sm_<arch>``; returns name, registers and spills per launch."""
-    import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_check must run without TRITON_INTERPRET=1")
     target = GPUTarget("cuda", arch, 32)
     results = []
     for label, fn, args, kwargs in launches():
-        names = fn.arg_names
-        options = {n: kwargs[n] for n in LAUNCH_OPTIONS if n in kwargs}
-        sig, consts = {}, {}
-        for n, a in zip(names, args):
-            sig[n] = _type(a)
-        for n, a in kwargs.items():
-            if n not in LAUNCH_OPTIONS:
-                sig[n] = "constexpr"
-                consts[n] = a
-        sig = {n: sig[n] for n in names}
-        kernel = triton.compile(ASTSource(fn, sig, consts), target=target, options=options)
+        kernel = compile_launch(fn, args, kwargs, target)
         info = {"launch": label, "kernel": fn.__name__, "shared": kernel.metadata.shared,
                 **_resource_usage(kernel.asm["cubin"])}
         results.append(info)
@@ -227,10 +251,91 @@ def _resource_usage(cubin: bytes) -> dict:
     return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", text)}
 
 
+def _sass(cubin: bytes) -> list[tuple[int, str, str]]:
+    """``(address, opcode, line)`` of each SASS instruction of a cubin (``cuobjdump -sass``)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, timeout=60).stdout
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(3), line))
+    return out
+
+
+def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
+    """Static instruction counts of a kernel's main loop (the span of its longest backward branch).
+
+    ``loop``: every instruction of the loop body; ``common_path``: the body less the regions that conditional
+    forward branches of more than ``skipped_min`` instructions jump over (in the decode kernel with
+    ``hot_skip``: the code of a block with a hot row), that is what one iteration over a block without hot
+    rows issues per warp; ``ops``: that path's opcodes (first word), most frequent first.
+    """
+    import collections
+    import re
+
+    sass = _sass(cubin)
+    step = 16  # bytes per sm_70+ instruction
+    loop = None
+    skips = []
+    for addr, op, line in sass:
+        if not op.startswith("BRA"):
+            continue
+        m = re.search(r"BRA\s+`?\(?(?:\.L_x_\d+)?\)?\s*0x([0-9a-f]+)", line) or re.search(r"0x([0-9a-f]+)", line)
+        if not m:
+            continue
+        target = int(m.group(1), 16)
+        if target < addr and (loop is None or addr - target > loop[1] - loop[0]):
+            loop = (target, addr)
+        elif target > addr and re.search(r"@!?P\d", line) and (target - addr) // step > skipped_min:
+            skips.append((addr + step, target))
+    if loop is None:
+        return {"loop": 0, "common_path": 0, "ops": {}}
+    body = [(a, op) for a, op, _ in sass if loop[0] <= a <= loop[1]]
+    path = [op for a, op in body if not any(lo <= a < hi for lo, hi in skips if loop[0] <= lo and hi <= loop[1])]
+    ops = collections.Counter(op.split(".")[0] for op in path)
+    return {"loop": len(body), "common_path": len(path), "ops": dict(ops.most_common())}
+
+
+def print_loop_counts(pattern: str, arch: int = 90) -> list[dict]:
+    """:func:`loop_counts` of every recorded launch whose label contains ``pattern``."""
+    from triton.backends.compiler import GPUTarget
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("compile_check must run without TRITON_INTERPRET=1")
+    rows = []
+    for label, fn, args, kwargs in launches():
+        if pattern not in label:
+            continue
+        kernel = compile_launch(fn, args, kwargs, GPUTarget("cuda", arch, 32))
+        row = {"launch": label, "kernel": fn.__name__, **_resource_usage(kernel.asm["cubin"]),
+               "shared": kernel.metadata.shared, **loop_counts(kernel.asm["cubin"])}
+        rows.append(row)
+        print(f"{label} ({fn.__name__}): loop {row['loop']} instructions, common path {row['common_path']}, "
+              f"reg {row.get('reg')} stack {row.get('stack')} shared {row['shared']}\n    "
+              + ", ".join(f"{k} {v}" for k, v in list(row["ops"].items())[:16]), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 (A100), 90 (H100/H200)")
+    p.add_argument("--sass", metavar="PATTERN", help="instead: the launches whose label contains PATTERN, with "
+                   "static instruction counts of their main loop from the SASS (loop_counts)")
     a = p.parse_args(argv)
+    if a.sass is not None:
+        print_loop_counts(a.sass, a.arch)
+        return 0
     compile_all(a.arch)
     return 0
 

@@ -114,6 +114,39 @@ def test_decode_with_bf16_dots_is_within_bf16_rounding_of_the_reference():
         api.decode_attention(*args, backend="triton", dots="fp8")
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(prefetch):
+    """``fold=True``: blocks without a hot row attended over the codes (1 + c / 2^bits, fp16) with each row's
+    scale and zero folded into the logits and weights; blocks with one dequantized as before.  Formats of one
+    group per row (INT2, INT4 and INT8 keys, symmetric keys), hot windows or none, GQA 1 to 8."""
+    lens = [0, 1, 17, 50, 70, 33]
+    cases = [(64, 16, True, 4, FORMATS[0]), (128, 1, True, 3, FORMATS[3]), (64, 1, False, 1, FORMATS[5]),
+             (128, 16, True, 8, FORMATS[7])]
+    for i, (d, page, hot, gqa, formats) in enumerate(cases):
+        seed = 50 + 5 * i + prefetch
+        paged, rot, store = build(lens, d, None, page, hot, seed, formats=formats)
+        q = torch.randn(len(lens), KV * gqa, d, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+        ref = reference.decode_attention(*args, d**-0.5)
+        kw = dict(backend="triton", num_splits=1 + i, block_n=16, prefetch=prefetch)
+        out = api.decode_attention(*args, fold=True, **kw)
+        err = (out - ref).abs().max().item()
+        # fp16 queries and weights (10-bit mantissas, as TF32's): about 2^-12 of the output's scale here
+        assert err < 2**-9 * ref.abs().max().item(), (i, err)
+        if DEVICE == "cpu":  # the interpreter's fp32 dots are exact to 1e-6: the folded blocks did run
+            assert err > 20 * (api.decode_attention(*args, **kw) - ref).abs().max().item(), i
+
+
+def test_decode_fold_is_ignored_where_it_does_not_apply():
+    """Rows in several groups (a scale per group), or ``hot_skip=False``: ``fold`` leaves the kernel as it is."""
+    for formats, hot_skip in ((FORMATS[2], True), (FORMATS[0], False)):
+        paged, rot, store = build([17, 40], 64, None, 16, True, 3, formats=formats)
+        q = torch.randn(2, KV * 2, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+        kw = dict(backend="triton", num_splits=2, block_n=16, hot_skip=hot_skip)
+        assert torch.equal(api.decode_attention(*args, fold=True, **kw), api.decode_attention(*args, **kw))
+
+
 def test_decode_split_count_does_not_change_the_result():
     paged, rot, store = build([3, 70], 64, 64, 16, True, 7)
     q = torch.randn(2, KV * 4, 64, device=DEVICE)

@@ -213,6 +213,52 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
 
 
 @triton.jit
+def code_units(word, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """The codes ``c`` at bit ``SHIFT`` of ``word`` (int32) as fp16 ``1 + c / 2^BITS``, exact: the code put in the
+    top of the mantissa of 1.0 by integer ops only (no int-to-float conversion, no multiply)."""
+    TOP: tl.constexpr = 10 - BITS  # the code's place in fp16's 10-bit mantissa; 1.0 is 0x3C00
+    FIELD: tl.constexpr = ((1 << BITS) - 1) << TOP
+    if SHIFT <= TOP:  # one shift, then the mask and the exponent in one and-or
+        bits = ((word << (TOP - SHIFT)) & FIELD) | 0x3C00
+    else:
+        bits = ((word >> (SHIFT - TOP)) & FIELD) | 0x3C00
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def attend_block_folded(q0, q1, q2, q3, qsum, kw, ku, kc, vw, vu, vc, valid, qk_scale, m, l, a0, a1, a2, a3,
+                        K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+    """:func:`attend_block` over rows of one scale and zero each, without dequantizing them: the dots read the
+    codes as ``x = 1 + c / 2^BITS`` (fp16, exact) and the rows' scales are folded in where they are constant.
+    A row is ``u x + c0`` with ``u = 2^BITS scale``, ``c0 = zero - u`` (``ku, kc, vu, vc``: ``[BLOCK_N]``), so
+
+    * logits ``q . k_t = u_t (q . x_t) + c0_t sum(q)`` (``q0..q3``: fp16 pieces, ``qsum`` the sum of their
+      values, so that the two terms' large parts cancel exactly as in the math);
+    * output ``sum_t p_t v_t = (p u) @ x + sum_t p_t c0_t`` (the weights ``p u`` rounded to fp16).
+
+    fp16 operands, fp32 sums: the products of the codes are exact, the queries' rounding is TF32's (10 bits).
+    """
+    s = tl.dot(q0, tl.trans(code_units(kw, 0, K_BITS)))
+    s += tl.dot(q1, tl.trans(code_units(kw, K_BITS, K_BITS)))
+    s += tl.dot(q2, tl.trans(code_units(kw, 2 * K_BITS, K_BITS)))
+    s += tl.dot(q3, tl.trans(code_units(kw, 3 * K_BITS, K_BITS)))
+    s = s * ku[None, :] + qsum[:, None] * kc[None, :]
+    s = tl.where(valid, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - base)
+    p = tl.exp2(s - base[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    pu = (p * vu[None, :]).to(tl.float16)
+    pc = tl.sum(p * vc[None, :], 1)[:, None]
+    a0 = a0 * alpha[:, None] + tl.dot(pu, code_units(vw, 0, V_BITS)) + pc
+    a1 = a1 * alpha[:, None] + tl.dot(pu, code_units(vw, V_BITS, V_BITS)) + pc
+    a2 = a2 * alpha[:, None] + tl.dot(pu, code_units(vw, 2 * V_BITS, V_BITS)) + pc
+    a3 = a3 * alpha[:, None] + tl.dot(pu, code_units(vw, 3 * V_BITS, V_BITS)) + pc
+    return m_new, l, a0, a1, a2, a3
+
+
+@triton.jit
 def block_slots(t, tmask, tok_row_ptr):
     """Slots of a request's tokens ``t`` (its ``req_to_token`` row at ``tok_row_ptr``), int64; 0 outside ``tmask``."""
     return tl.load(tok_row_ptr + t, mask=tmask, other=0).to(tl.int64)
@@ -241,14 +287,33 @@ def fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, 
 def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
                          q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
                          D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PREC: tl.constexpr,
-                         HOT_SKIP: tl.constexpr):
-    """One online-softmax step over a block fetched by :func:`fetch_block` (its hot rows read here)."""
+                         HOT_SKIP: tl.constexpr, FOLD: tl.constexpr = False, qsum=None):
+    """One online-softmax step over a block fetched by :func:`fetch_block` (its hot rows read here).
+
+    ``FOLD`` (rows of one scale and zero; with ``HOT_SKIP``): a block without a hot row is attended by
+    :func:`attend_block_folded` (``q0..q3`` fp16, ``qsum`` their sum), one with a hot row as before."""
     hot = tmask & (entry >= 0)
     hot_row = entry * KV + kvh
-    k0, k1, k2, k3 = dequant_rows(kw, ks, kz, k_hot, hot_row, hot, D, K_BITS, HOT_SKIP)
-    v0, v1, v2, v3 = dequant_rows(vw, vs, vz, v_hot, hot_row, hot, D, V_BITS, HOT_SKIP)
-    return attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
-                        tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
+    if FOLD:
+        if tl.max(hot.to(tl.int32), 0) > 0:
+            k0, k1, k2, k3 = dequant_rows(kw, ks, kz, k_hot, hot_row, hot, D, K_BITS, False)
+            v0, v1, v2, v3 = dequant_rows(vw, vs, vz, v_hot, hot_row, hot, D, V_BITS, False)
+            m, l, a0, a1, a2, a3 = attend_block(q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32),
+                                                q3.to(tl.float32), k0, k1, k2, k3, v0, v1, v2, v3,
+                                                tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
+        else:
+            BLOCK_N: tl.constexpr = kw.shape[0]
+            ku = tl.reshape(ks, (BLOCK_N,)) * (1 << K_BITS)
+            vu = tl.reshape(vs, (BLOCK_N,)) * (1 << V_BITS)
+            m, l, a0, a1, a2, a3 = attend_block_folded(
+                q0, q1, q2, q3, qsum, kw, ku, tl.reshape(kz, (BLOCK_N,)) - ku, vw, vu,
+                tl.reshape(vz, (BLOCK_N,)) - vu, tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, K_BITS, V_BITS)
+    else:
+        k0, k1, k2, k3 = dequant_rows(kw, ks, kz, k_hot, hot_row, hot, D, K_BITS, HOT_SKIP)
+        v0, v1, v2, v3 = dequant_rows(vw, vs, vz, v_hot, hot_row, hot, D, V_BITS, HOT_SKIP)
+        m, l, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
+                                            tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
+    return m, l, a0, a1, a2, a3
 
 
 @triton.jit
@@ -257,7 +322,7 @@ def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
                         q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
                         D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                         V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
-                        HOT_SKIP: tl.constexpr):
+                        HOT_SKIP: tl.constexpr, FOLD: tl.constexpr = False, qsum=None):
     """One online-softmax step over stored tokens ``t`` of a request (``tok_row_ptr`` = its
     ``req_to_token`` row): slot lookup, BF16 where the slot has a hot entry, quantized rows elsewhere
     (keys ``K_BITS`` bits in groups of ``K_G``, values ``V_BITS`` / ``V_G``; ``K_SYM``/``V_SYM``: symmetric rows)."""
@@ -266,4 +331,5 @@ def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
     kw, ks, kz, vw, vs, vz = fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, v_scale,
                                          v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
     return attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
+                                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP,
+                                FOLD, qsum)

@@ -48,7 +48,8 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                          GQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                          V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
-                         ROTATE_Q: tl.constexpr, HOT_SKIP: tl.constexpr, PREFETCH: tl.constexpr):
+                         ROTATE_Q: tl.constexpr, HOT_SKIP: tl.constexpr, PREFETCH: tl.constexpr,
+                         FOLD: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -66,6 +67,11 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                                      False, BLOCK_H, D, 32)
     else:  # q_ptr: fp32 queries rotated before the launch
         q0, q1, q2, q3 = load_row_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
+    if FOLD:  # fp16 queries for the folded blocks' dots (the hot blocks' too, as fp32), and their sum
+        q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
+        qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), 1)
+    else:
+        qsum = tl.zeros([BLOCK_H], tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)
@@ -82,7 +88,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 t, tmask, tok_row, hot_index, kvh, KV,
                 k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
                 q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM, V_SYM,
-                HOT_SKIP)
+                HOT_SKIP, FOLD, qsum)
     else:
         # Software pipeline over the dependent loads: block j+2's slots and block j+1's hot entries are loaded
         # while block j is computed (PREFETCH 1: its rows loaded then); PREFETCH 2: also block j+1's rows, and
@@ -114,7 +120,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                                                      K_SYM, V_SYM)
             m, l, a0, a1, a2, a3 = attend_fetched_block(
                 e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
+                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP, FOLD, qsum)
             if PREFETCH == 2:
                 kw, ks, kz, vw, vs, vz = nkw, nks, nkz, nvw, nvs, nvz
                 e0, e1 = e1, e2
@@ -208,7 +214,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                      num_splits: int | None = None, max_seq_len: int | None = None,
                      block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      rotate_q_in_kernel: bool | None = None, hot_skip: bool = True,
-                     prefetch: int = 1, dots: str = DOT_PRECISION) -> torch.Tensor:
+                     prefetch: int = 1, dots: str = DOT_PRECISION, fold: bool = False) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
 
     ``rotate_q_in_kernel`` (default: automatic): rotate the queries inside the split kernel (two launches
@@ -226,6 +232,12 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     variants timed on the H200 (docs/gpu/run2/decode_variants.md, 2026-12-04): 1.23x, 1.69x and 1.60x the
     speed of the first run's loop (block_n 32, prefetch 0, no hot_skip) at batch 1 / 32 at 32k and batch
     128 at 16k.
+
+    ``fold``: blocks without a hot row attended over the codes themselves, each row's scale and zero folded
+    into the logits and the softmax weights (``common/triton_helpers.attend_block_folded``: fp16 dots, no
+    dequantization of the block); for formats of one group per row, with ``hot_skip`` (else ignored).  A
+    variant for the GPU to time (scripts/device/decode_variants.py); compiled for sm_90 it runs ~40% fewer
+    instructions per block than the default (kernels/compile_check.py --sass).
     """
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")
@@ -255,6 +267,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
         K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
         K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
-        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=prefetch, FOLD=bool(fold and hot_skip and kf.group_for(d) == d and vf.group_for(d) == d),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return merge_splits(mid_o, mid_lse, rot.v_rot, q.dtype)
