@@ -67,10 +67,12 @@ def test_decode_kernel_knob():
         {"prefetch": 0, "hot_skip": False, "dots": "bf16"}
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "hot_skip=1,prefetch=2"}) == {"hot_skip": True,
                                                                                          "prefetch": 2}
-    keys = "block_n, num_warps, num_stages, dots, prefetch, hot_skip$"
+    assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "fold=1"}) == {"fold": True}
+    keys = "block_n, num_warps, num_stages, dots, prefetch, hot_skip, fold$"
     for bad, match in (("block_rows=64", "KEY=VALUE, each key once, of " + keys), ("sdpa", "of " + keys),
                        ("block_n=8", "power of two >= 16"), ("dots=fp16", "dots='fp16', expected one of tf32, bf16"),
                        ("prefetch=3", "expected one of 0, 1, 2"), ("hot_skip=yes", "expected one of 0, 1"),
+                       ("fold=true", "expected one of 0, 1"),
                        ("block_n=48", "power of two >= 16"), ("num_warps=3", "power of two")):
         with pytest.raises(st.OscarConfigError, match=match):
             st.decode_kernel_options({st.ENV_DECODE_KERNEL: bad})
@@ -93,7 +95,8 @@ def test_kernel_knob_keys_are_the_kernels_own():
     params = inspect.signature(decode_kernel.decode_attention).parameters
     assert all(isinstance(params[key].default, int) for key in st.DECODE_INT_KEYS)
     assert st.DECODE_CHOICES["dots"] == decode_kernel.DOT_CHOICES
-    assert {key: type(params[key].default) for key in ("prefetch", "hot_skip")} == {"prefetch": int, "hot_skip": bool}
+    assert {key: type(params[key].default) for key in ("prefetch", "hot_skip", "fold")} == \
+        {"prefetch": int, "hot_skip": bool, "fold": bool}
 
 
 def test_server_env_passes_the_environment_knobs_not_a_launch_s_settings():

@@ -49,9 +49,9 @@ EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (n
 ENV_DECODE_KERNEL = "OSCAR_SGLANG_DECODE_KERNEL"
 DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages")
 # and the loop's variants (kernels/decode/triton_kernel.decode_attention; pinned there by a test), e.g.
-# "dots=bf16" or "prefetch=0,hot_skip=0" (the first H200 run's loop)
-DECODE_CHOICES = {"dots": ("tf32", "bf16"), "prefetch": ("0", "1", "2"), "hot_skip": ("0", "1")}
-_CHOICE_VALUE = {"prefetch": int, "hot_skip": lambda raw: raw == "1"}
+# "dots=bf16", "prefetch=0,hot_skip=0" (the first H200 run's loop) or "fold=1" (folded scales)
+DECODE_CHOICES = {"dots": ("tf32", "bf16"), "prefetch": ("0", "1", "2"), "hot_skip": ("0", "1"), "fold": ("0", "1")}
+_CHOICE_VALUE = {"prefetch": int, "hot_skip": lambda raw: raw == "1", "fold": lambda raw: raw == "1"}
 
 # Concurrent requests whose sink and recent windows the BF16 hot side pool
 # holds (capped by --max-running-requests when that is smaller).
@@ -198,7 +198,7 @@ def decode_kernel_options(environ=os.environ) -> dict:
 def _kernel_options(environ, name: str, int_keys: tuple, choices: dict) -> dict:
     """``KEY=VALUE,...`` of a kernel knob: integer tile keys (powers of two; ``block_n``, a dot's inner size,
     at least 16; ``num_stages`` any positive integer) and keys with a few ``choices`` (``dots``; the decode
-    loop's ``prefetch`` and ``hot_skip``)."""
+    loop's ``prefetch``, ``hot_skip`` and ``fold``)."""
     value = environ.get(name, "").strip()
     keys = (*int_keys, *choices)
     options: dict = {}
