@@ -179,7 +179,8 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
     ``PREC``: the dots' ``input_precision`` for fp32 operands (``"tf32"``,
     ``"ieee"``), or ``"bf16"``: every operand (queries, keys, softmax weights,
     values) rounded to bf16, fp32 accumulation, as in flash attention; on a
-    GPU bf16 tensor cores run twice as many products per cycle as TF32 ones.
+    GPU bf16 tensor cores run twice as many products per cycle as TF32 ones;
+    ``"fp16"`` the same in fp16 (TF32's 10-bit mantissa; the folded decode's blocks with hot rows).
     The running max, sums and accumulators stay fp32 either way.
     """
     if PREC == "bf16":
@@ -187,6 +188,11 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
         s += tl.dot(q1.to(tl.bfloat16), tl.trans(k1.to(tl.bfloat16)))
         s += tl.dot(q2.to(tl.bfloat16), tl.trans(k2.to(tl.bfloat16)))
         s += tl.dot(q3.to(tl.bfloat16), tl.trans(k3.to(tl.bfloat16)))
+    elif PREC == "fp16":
+        s = tl.dot(q0.to(tl.float16), tl.trans(k0.to(tl.float16)))
+        s += tl.dot(q1.to(tl.float16), tl.trans(k1.to(tl.float16)))
+        s += tl.dot(q2.to(tl.float16), tl.trans(k2.to(tl.float16)))
+        s += tl.dot(q3.to(tl.float16), tl.trans(k3.to(tl.float16)))
     else:
         s = tl.dot(q0, tl.trans(k0), input_precision=PREC)
         s += tl.dot(q1, tl.trans(k1), input_precision=PREC)
@@ -204,6 +210,12 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
         a1 = a1 * alpha[:, None] + tl.dot(pb, v1.to(tl.bfloat16))
         a2 = a2 * alpha[:, None] + tl.dot(pb, v2.to(tl.bfloat16))
         a3 = a3 * alpha[:, None] + tl.dot(pb, v3.to(tl.bfloat16))
+    elif PREC == "fp16":
+        ph = p.to(tl.float16)
+        a0 = a0 * alpha[:, None] + tl.dot(ph, v0.to(tl.float16))
+        a1 = a1 * alpha[:, None] + tl.dot(ph, v1.to(tl.float16))
+        a2 = a2 * alpha[:, None] + tl.dot(ph, v2.to(tl.float16))
+        a3 = a3 * alpha[:, None] + tl.dot(ph, v3.to(tl.float16))
     else:
         a0 = a0 * alpha[:, None] + tl.dot(p, v0, input_precision=PREC)
         a1 = a1 * alpha[:, None] + tl.dot(p, v1, input_precision=PREC)
@@ -291,16 +303,16 @@ def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v
     """One online-softmax step over a block fetched by :func:`fetch_block` (its hot rows read here).
 
     ``FOLD`` (rows of one scale and zero; with ``HOT_SKIP``): a block without a hot row is attended by
-    :func:`attend_block_folded` (``q0..q3`` fp16, ``qsum`` their sum), one with a hot row as before."""
+    :func:`attend_block_folded` (``q0..q3`` fp16, ``qsum`` their sum), one with a hot row dequantized, with
+    fp16 dots (half the shared memory of fp32 operands; ``PREC`` unused)."""
     hot = tmask & (entry >= 0)
     hot_row = entry * KV + kvh
     if FOLD:
         if tl.max(hot.to(tl.int32), 0) > 0:
             k0, k1, k2, k3 = dequant_rows(kw, ks, kz, k_hot, hot_row, hot, D, K_BITS, False)
             v0, v1, v2, v3 = dequant_rows(vw, vs, vz, v_hot, hot_row, hot, D, V_BITS, False)
-            m, l, a0, a1, a2, a3 = attend_block(q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32),
-                                                q3.to(tl.float32), k0, k1, k2, k3, v0, v1, v2, v3,
-                                                tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
+            m, l, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
+                                                tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, "fp16")
         else:
             BLOCK_N: tl.constexpr = kw.shape[0]
             ku = tl.reshape(ks, (BLOCK_N,)) * (1 << K_BITS)
