@@ -74,8 +74,8 @@ VARIANTS = [
     # than the default compiled for sm_90, none spilled: `python -m oscar_sglang.kernels.compile_check --sass fold`)
     ("default, fold", {"fold": True}),
     ("default, fold, block_n 128", {"fold": True, "block_n": 128}),
-    ("default, fold, prefetch 2", {"fold": True, "prefetch": 2}),
-    ("default, fold, block_n 32, prefetch 2", {"fold": True, "block_n": 32, "prefetch": 2}),
+    ("default, fold, block_n 32", {"fold": True, "block_n": 32}),
+    ("default, fold, block_n 128, 8 warps", {"fold": True, "block_n": 128, "num_warps": 8}),
 ]
 if SMOKE:
     VARIANTS = [(n, {**o, "block_n": 16}) for n, o in VARIANTS[:5] + [VARIANTS[-4]]]
