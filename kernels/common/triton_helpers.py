@@ -299,7 +299,10 @@ def fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, 
 def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
                          q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
                          D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PREC: tl.constexpr,
-                         HOT_SKIP: tl.constexpr, FOLD: tl.constexpr = False, qsum=None):
+                         HOT_SKIP: tl.constexpr, FOLD: tl.constexpr = False, qsum=None, slot=None,
+                         k_codes=None, k_scale=None, k_zero=None, v_codes=None, v_scale=None, v_zero=None,
+                         K_G: tl.constexpr = 0, V_G: tl.constexpr = 0, K_SYM: tl.constexpr = False,
+                         V_SYM: tl.constexpr = False):
     """One online-softmax step over a block fetched by :func:`fetch_block` (its hot rows read here).
 
     ``FOLD`` (rows of one scale and zero; with ``HOT_SKIP``): a block without a hot row is attended by
@@ -308,9 +311,12 @@ def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v
     hot = tmask & (entry >= 0)
     hot_row = entry * KV + kvh
     if FOLD:
-        if tl.max(hot.to(tl.int32), 0) > 0:
-            k0, k1, k2, k3 = dequant_rows(kw, ks, kz, k_hot, hot_row, hot, D, K_BITS, False)
-            v0, v1, v2, v3 = dequant_rows(vw, vs, vz, v_hot, hot_row, hot, D, V_BITS, False)
+        if tl.max(hot.to(tl.int32), 0) > 0:  # the rows fetched again, in the layouts this rare branch needs
+            hkw, hks, hkz, hvw, hvs, hvz = fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero,
+                                                       v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
+                                                       K_SYM, V_SYM)
+            k0, k1, k2, k3 = dequant_rows(hkw, hks, hkz, k_hot, hot_row, hot, D, K_BITS, False)
+            v0, v1, v2, v3 = dequant_rows(hvw, hvs, hvz, v_hot, hot_row, hot, D, V_BITS, False)
             m, l, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
                                                 tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, "fp16")
         else:
@@ -344,4 +350,5 @@ def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
                                          v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
     return attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
                                 q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP,
-                                FOLD, qsum)
+                                FOLD, qsum, slot, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                K_G, V_G, K_SYM, V_SYM)

@@ -120,11 +120,12 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                                                      K_SYM, V_SYM)
             m, l, a0, a1, a2, a3 = attend_fetched_block(
                 e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP, FOLD, qsum)
+                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP, FOLD, qsum,
+                s0, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, K_G, V_G, K_SYM, V_SYM)
             if PREFETCH == 2:
                 kw, ks, kz, vw, vs, vz = nkw, nks, nkz, nvw, nvs, nvz
                 e0, e1 = e1, e2
-                s1, s2 = s2, s_lead
+                s0, s1, s2 = s1, s2, s_lead  # s0 (block j's slots): for the folded loop's hot blocks only
             else:
                 s0, e0 = s1, e1
                 s1 = s_lead
@@ -236,7 +237,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     ``fold``: blocks without a hot row attended over the codes themselves, each row's scale and zero folded
     into the logits and the softmax weights (``common/triton_helpers.attend_block_folded``: fp16 dots, no
     dequantization of the block); for formats of one group per row, with ``hot_skip`` (else ignored).  A
-    variant for the GPU to time (scripts/device/decode_variants.py); compiled for sm_90 it runs ~40% fewer
+    variant for the GPU to time (scripts/device/decode_variants.py); compiled for sm_90 it issues ~43% fewer
     instructions per block than the default (kernels/compile_check.py --sass).
     """
     if prefetch not in (0, 1, 2):
