@@ -36,3 +36,29 @@ def test_kernels_compile_for_sm90():
         h200_only = x["launch"].startswith(("extend sweep", "decode variant"))
         assert x["shared"] <= (227 * 1024 if h200_only else SHARED_LIMIT), x
     assert any(x["launch"].startswith("extend sweep") for x in results)
+
+
+def test_loop_counts_read_the_decode_loops_sass():
+    """``compile_check --sass``: the main loop found in the SASS, the hot-row branch left out of the common path,
+    every opcode of that path counted, and the folded-scales decode converting no code to a float."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton build has no bundled cuobjdump")
+    code = ("import json; from oscar_sglang.kernels import compile_check as c;"
+            "print(json.dumps(c.print_loop_counts('decode d=128 int2 gqa=4', 90)"
+            " + c.print_loop_counts('decode variant d=128 int2 gqa=4 fold=True', 90)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = {x["launch"]: x for x in json.loads(r.stdout.strip().splitlines()[-1])}
+    default, fold = rows["decode d=128 int2 gqa=4"], rows["decode variant d=128 int2 gqa=4 fold=True"]
+    for x in (default, fold):
+        assert 0 < x["common_path"] < x["loop"], x            # hot_skip's branch: skipped on a cold block
+        assert x["ops"]["HMMA"] > 0 and sum(x["ops"].values()) == x["common_path"]
+    # per 64-token block and thread (4 warps): the default converts each of its 128 codes to fp32 (an I2F each)
+    # before the scale-and-zero FMA; the folded loop converts none (the code goes into an fp16 mantissa).  How
+    # many instructions each issues in all depends on the Triton version (docs/KERNELS.md: fold 43% fewer than
+    # the default with triton 3.6, the H200's; 20% more with 3.8, which compiles the default without spills).
+    assert default["ops"].get("I2FP", 0) + default["ops"].get("I2F", 0) >= 128
+    assert fold["ops"].get("I2FP", 0) + fold["ops"].get("I2F", 0) == 0
