@@ -67,7 +67,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                                      False, BLOCK_H, D, 32)
     else:  # q_ptr: fp32 queries rotated before the launch
         q0, q1, q2, q3 = load_row_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
-    if FOLD:  # fp16 queries for the folded blocks' dots (the hot blocks' too, as fp32), and their sum
+    if FOLD:  # fp16 queries for every block's dots (the hot blocks' fp16 dots too), and their sum
         q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
         qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), 1)
     else:
@@ -236,7 +236,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
 
     ``fold``: blocks without a hot row attended over the codes themselves, each row's scale and zero folded
     into the logits and the softmax weights (``common/triton_helpers.attend_block_folded``: fp16 dots, no
-    dequantization of the block); for formats of one group per row, with ``hot_skip`` (else ignored).  A
+    dequantization of the block); for formats of one group per row, with ``hot_skip`` (else ignored); the
+    rotated queries must fit fp16's range (|x| < 65504; a model's are tens at most).  A
     variant for the GPU to time (scripts/device/decode_variants.py); compiled for sm_90 it issues ~43% fewer
     instructions per block than the default (kernels/compile_check.py --sass).
     """
