@@ -169,6 +169,28 @@ def store_pieces(ptr, mask, x0, x1, x2, x3, D: tl.constexpr):
 
 
 @triton.jit
+def half(x, PREC: tl.constexpr):
+    """``x`` as a half-precision dot operand: bf16 for ``PREC == "bf16"``, else fp16."""
+    if PREC == "bf16":
+        y = x.to(tl.bfloat16)
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
+@triton.jit
+def softmax_step(s, valid, qk_scale, m, l):
+    """The online softmax (base 2) over a block's logits ``s [ROWS, BLOCK_N]``: the new running max, the new
+    sum, the factor ``alpha`` that rescales what came before, and the block's weights ``p``."""
+    s = tl.where(valid, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - base)
+    p = tl.exp2(s - base[:, None])
+    return m_new, l * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
 def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale,
                  m, l, a0, a1, a2, a3, PREC: tl.constexpr):
     """One online-softmax step (base 2) over a key block; ``valid [ROWS, BLOCK_N]`` masks logits.
@@ -183,39 +205,23 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
     ``"fp16"`` the same in fp16 (TF32's 10-bit mantissa; the folded decode's blocks with hot rows).
     The running max, sums and accumulators stay fp32 either way.
     """
-    if PREC == "bf16":
-        s = tl.dot(q0.to(tl.bfloat16), tl.trans(k0.to(tl.bfloat16)))
-        s += tl.dot(q1.to(tl.bfloat16), tl.trans(k1.to(tl.bfloat16)))
-        s += tl.dot(q2.to(tl.bfloat16), tl.trans(k2.to(tl.bfloat16)))
-        s += tl.dot(q3.to(tl.bfloat16), tl.trans(k3.to(tl.bfloat16)))
-    elif PREC == "fp16":
-        s = tl.dot(q0.to(tl.float16), tl.trans(k0.to(tl.float16)))
-        s += tl.dot(q1.to(tl.float16), tl.trans(k1.to(tl.float16)))
-        s += tl.dot(q2.to(tl.float16), tl.trans(k2.to(tl.float16)))
-        s += tl.dot(q3.to(tl.float16), tl.trans(k3.to(tl.float16)))
+    if PREC == "bf16" or PREC == "fp16":
+        s = tl.dot(half(q0, PREC), tl.trans(half(k0, PREC)))
+        s += tl.dot(half(q1, PREC), tl.trans(half(k1, PREC)))
+        s += tl.dot(half(q2, PREC), tl.trans(half(k2, PREC)))
+        s += tl.dot(half(q3, PREC), tl.trans(half(k3, PREC)))
     else:
         s = tl.dot(q0, tl.trans(k0), input_precision=PREC)
         s += tl.dot(q1, tl.trans(k1), input_precision=PREC)
         s += tl.dot(q2, tl.trans(k2), input_precision=PREC)
         s += tl.dot(q3, tl.trans(k3), input_precision=PREC)
-    s = tl.where(valid, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - base)
-    p = tl.exp2(s - base[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    if PREC == "bf16":
-        pb = p.to(tl.bfloat16)
-        a0 = a0 * alpha[:, None] + tl.dot(pb, v0.to(tl.bfloat16))
-        a1 = a1 * alpha[:, None] + tl.dot(pb, v1.to(tl.bfloat16))
-        a2 = a2 * alpha[:, None] + tl.dot(pb, v2.to(tl.bfloat16))
-        a3 = a3 * alpha[:, None] + tl.dot(pb, v3.to(tl.bfloat16))
-    elif PREC == "fp16":
-        ph = p.to(tl.float16)
-        a0 = a0 * alpha[:, None] + tl.dot(ph, v0.to(tl.float16))
-        a1 = a1 * alpha[:, None] + tl.dot(ph, v1.to(tl.float16))
-        a2 = a2 * alpha[:, None] + tl.dot(ph, v2.to(tl.float16))
-        a3 = a3 * alpha[:, None] + tl.dot(ph, v3.to(tl.float16))
+    m_new, l, alpha, p = softmax_step(s, valid, qk_scale, m, l)
+    if PREC == "bf16" or PREC == "fp16":
+        ph = half(p, PREC)
+        a0 = a0 * alpha[:, None] + tl.dot(ph, half(v0, PREC))
+        a1 = a1 * alpha[:, None] + tl.dot(ph, half(v1, PREC))
+        a2 = a2 * alpha[:, None] + tl.dot(ph, half(v2, PREC))
+        a3 = a3 * alpha[:, None] + tl.dot(ph, half(v3, PREC))
     else:
         a0 = a0 * alpha[:, None] + tl.dot(p, v0, input_precision=PREC)
         a1 = a1 * alpha[:, None] + tl.dot(p, v1, input_precision=PREC)
@@ -255,12 +261,7 @@ def attend_block_folded(q0, q1, q2, q3, qsum, kw, ku, kc, vw, vu, vc, valid, qk_
     s += tl.dot(q2, tl.trans(code_units(kw, 2 * K_BITS, K_BITS)))
     s += tl.dot(q3, tl.trans(code_units(kw, 3 * K_BITS, K_BITS)))
     s = s * ku[None, :] + qsum[:, None] * kc[None, :]
-    s = tl.where(valid, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - base)
-    p = tl.exp2(s - base[:, None])
-    l = l * alpha + tl.sum(p, 1)
+    m_new, l, alpha, p = softmax_step(s, valid, qk_scale, m, l)
     pu = (p * vu[None, :]).to(tl.float16)
     pc = tl.sum(p * vc[None, :], 1)[:, None]
     a0 = a0 * alpha[:, None] + tl.dot(pu, code_units(vw, 0, V_BITS)) + pc
