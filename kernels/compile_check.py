@@ -291,7 +291,7 @@ def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
     for addr, op, line in sass:
         if not op.startswith("BRA"):
             continue
-        m = re.search(r"BRA\s+`?\(?(?:\.L_x_\d+)?\)?\s*0x([0-9a-f]+)", line) or re.search(r"0x([0-9a-f]+)", line)
+        m = re.search(r"0x([0-9a-f]+)\s*;", line)  # the target: the instruction's last operand (not its encoding)
         if not m:
             continue
         target = int(m.group(1), 16)

@@ -46,11 +46,11 @@ if SMOKE:
 import triton  # noqa: E402
 
 from oscar_sglang.kernels import api, layout, scenario  # noqa: E402
+from oscar_sglang.kernels.decode import bf16_baseline, reference  # noqa: E402
+from oscar_sglang.kernels.decode import triton_kernel as decode_tk  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_baselines as bl  # noqa: E402
-from oscar_sglang.kernels.decode import bf16_baseline, reference  # noqa: E402
-from oscar_sglang.kernels.decode import triton_kernel as decode_tk  # noqa: E402
 
 DEVICE = torch.device("cpu" if SMOKE else "cuda")
 KV, GQA, D, PAGE = (2, 4, 64, 16) if SMOKE else (8, 4, 128, 16)
