@@ -26,14 +26,15 @@ MODULES = (
 )
 
 
-def _interpreted(fn) -> bool:
+def interpreted(fn) -> bool:
+    """Whether the ``@triton.jit`` function ``fn`` runs in the interpreter (so cannot run inline PTX)."""
     return type(fn).__name__ == "InterpretedFunction"
 
 
 def active() -> bool:
     """True when the kernel modules are loaded and interpreted."""
     mod = sys.modules.get("oscar_sglang.kernels.write.triton_kernel")
-    return mod is not None and _interpreted(mod._write_kernel) and os.environ.get("TRITON_INTERPRET") == "1"
+    return mod is not None and interpreted(mod._write_kernel) and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _bf16_to_f32(bits):
@@ -90,7 +91,7 @@ def _patch_interpreter() -> None:
 def enable() -> None:
     """Set ``TRITON_INTERPRET=1`` for this process and load the kernel modules interpreted (idempotent)."""
     if not active():
-        if "triton.language" in sys.modules and not _interpreted(sys.modules["triton.language"].standard.cdiv):
+        if "triton.language" in sys.modules and not interpreted(sys.modules["triton.language"].standard.cdiv):
             raise RuntimeError(
                 "Triton was imported before TRITON_INTERPRET=1 was set, so its own library is compiled-only; "
                 "set TRITON_INTERPRET=1 before anything imports triton (e.g. at the top of the test module "

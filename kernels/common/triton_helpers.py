@@ -230,44 +230,74 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
     return m_new, l, a0, a1, a2, a3
 
 
+# PTX for :func:`code_values` with INT2 words, four words (one per byte of ``$8``, word 0 the low byte) per call:
+# ``prmt`` spreads bytes 0, 1 (2, 3) to the halves of a register, ``lop3`` ``(t & mask) | 1024.0`` puts piece p's
+# codes (bits 2p of each byte) in the mantissas of two fp16 1024.0 (1024 + 4^p c), ``fma.rn.f16x2`` times 4^-p
+# minus 1024 4^-p leaves c, exactly.  Outputs ``$2p, $2p+1``: piece p of words (0, 1) and (2, 3), the first word
+# in the low half.
+_INT2_CODES_PTX = tl.constexpr("""{
+.reg .b32 t<2>, s<4>, z<4>;
+prmt.b32 t0, $8, 0, 0x4140;
+prmt.b32 t1, $8, 0, 0x4342;
+mov.b32 s0, 0x3c003c00; mov.b32 s1, 0x34003400; mov.b32 s2, 0x2c002c00; mov.b32 s3, 0x24002400;
+mov.b32 z0, 0xe400e400; mov.b32 z1, 0xdc00dc00; mov.b32 z2, 0xd400d400; mov.b32 z3, 0xcc00cc00;
+lop3.b32 $0, t0, 0x00030003, 0x64006400, 0xea; fma.rn.f16x2 $0, $0, s0, z0;
+lop3.b32 $1, t1, 0x00030003, 0x64006400, 0xea; fma.rn.f16x2 $1, $1, s0, z0;
+lop3.b32 $2, t0, 0x000c000c, 0x64006400, 0xea; fma.rn.f16x2 $2, $2, s1, z1;
+lop3.b32 $3, t1, 0x000c000c, 0x64006400, 0xea; fma.rn.f16x2 $3, $3, s1, z1;
+lop3.b32 $4, t0, 0x00300030, 0x64006400, 0xea; fma.rn.f16x2 $4, $4, s2, z2;
+lop3.b32 $5, t1, 0x00300030, 0x64006400, 0xea; fma.rn.f16x2 $5, $5, s2, z2;
+lop3.b32 $6, t0, 0x00c000c0, 0x64006400, 0xea; fma.rn.f16x2 $6, $6, s3, z3;
+lop3.b32 $7, t1, 0x00c000c0, 0x64006400, 0xea; fma.rn.f16x2 $7, $7, s3, z3;
+}""")
+
+
 @triton.jit
-def code_units(word, SHIFT: tl.constexpr, BITS: tl.constexpr):
-    """The codes ``c`` at bit ``SHIFT`` of ``word`` (int32) as fp16 ``1 + c / 2^BITS``, exact: the code put in the
-    top of the mantissa of 1.0 by integer ops only (no int-to-float conversion, no multiply)."""
-    TOP: tl.constexpr = 10 - BITS  # the code's place in fp16's 10-bit mantissa; 1.0 is 0x3C00
-    FIELD: tl.constexpr = ((1 << BITS) - 1) << TOP
-    if SHIFT <= TOP:  # one shift, then the mask and the exponent in one and-or
-        bits = ((word << (TOP - SHIFT)) & FIELD) | 0x3C00
+def code_values(word, BITS: tl.constexpr, PACKED: tl.constexpr):
+    """The codes of the four pieces of ``word`` (int32, four codes each) as fp16 values ``c``, exactly (``c <
+    2^BITS <= 256``): each code put in the mantissa of fp16 1024.0 by integer ops, then 1024 taken off, no
+    int-to-float conversion.  ``PACKED`` (INT2 on a GPU): the same in inline PTX (:data:`_INT2_CODES_PTX`) two
+    codes per instruction, fp16 pairs as the dots read them; else one code per operation (the interpreter
+    cannot run PTX; this is the PTX's reference)."""
+    if PACKED and BITS == 2:
+        x0, x1, x2, x3 = tl.inline_asm_elementwise(_INT2_CODES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word.to(tl.uint8)],
+                                                   (tl.float16, tl.float16, tl.float16, tl.float16), True, 4)
     else:
-        bits = ((word >> (SHIFT - TOP)) & FIELD) | 0x3C00
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
+        MASK: tl.constexpr = (1 << BITS) - 1
+        x0 = ((word & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        x1 = (((word >> BITS) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        x2 = (((word >> (2 * BITS)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        x3 = (((word >> (3 * BITS)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    return x0, x1, x2, x3
 
 
 @triton.jit
-def attend_block_folded(q0, q1, q2, q3, qsum, kw, ku, kc, vw, vu, vc, valid, qk_scale, m, l, a0, a1, a2, a3,
-                        K_BITS: tl.constexpr, V_BITS: tl.constexpr):
+def attend_block_folded(q0, q1, q2, q3, qsum, kw, ks, kz, vw, vs, vz, valid, qk_scale, m, l, a0, a1, a2, a3,
+                        K_BITS: tl.constexpr, V_BITS: tl.constexpr, PACKED: tl.constexpr):
     """:func:`attend_block` over rows of one scale and zero each, without dequantizing them: the dots read the
-    codes as ``x = 1 + c / 2^BITS`` (fp16, exact) and the rows' scales are folded in where they are constant.
-    A row is ``u x + c0`` with ``u = 2^BITS scale``, ``c0 = zero - u`` (``ku, kc, vu, vc``: ``[BLOCK_N]``), so
+    codes ``c`` themselves (fp16, exact; :func:`code_values`) and the rows' scales and zeros are folded in where
+    they are constant.  A row is ``scale c + zero`` (``ks, kz, vs, vz``: ``[BLOCK_N]``), so
 
-    * logits ``q . k_t = u_t (q . x_t) + c0_t sum(q)`` (``q0..q3``: fp16 pieces, ``qsum`` the sum of their
-      values, so that the two terms' large parts cancel exactly as in the math);
-    * output ``sum_t p_t v_t = (p u) @ x + sum_t p_t c0_t`` (the weights ``p u`` rounded to fp16).
+    * logits ``q . k_t = scale_t (q . c_t) + zero_t sum(q)`` (``q0..q3``: fp16 pieces, ``qsum`` the sum of
+      their values);
+    * output ``sum_t p_t v_t = (p scale) @ c + sum_t p_t zero_t`` (the weights ``p scale`` rounded to fp16).
 
     fp16 operands, fp32 sums: the products of the codes are exact, the queries' rounding is TF32's (10 bits).
     """
-    s = tl.dot(q0, tl.trans(code_units(kw, 0, K_BITS)))
-    s += tl.dot(q1, tl.trans(code_units(kw, K_BITS, K_BITS)))
-    s += tl.dot(q2, tl.trans(code_units(kw, 2 * K_BITS, K_BITS)))
-    s += tl.dot(q3, tl.trans(code_units(kw, 3 * K_BITS, K_BITS)))
-    s = s * ku[None, :] + qsum[:, None] * kc[None, :]
+    k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
+    s = tl.dot(q0, tl.trans(k0))
+    s += tl.dot(q1, tl.trans(k1))
+    s += tl.dot(q2, tl.trans(k2))
+    s += tl.dot(q3, tl.trans(k3))
+    s = s * ks[None, :] + qsum[:, None] * kz[None, :]
     m_new, l, alpha, p = softmax_step(s, valid, qk_scale, m, l)
-    pu = (p * vu[None, :]).to(tl.float16)
-    pc = tl.sum(p * vc[None, :], 1)[:, None]
-    a0 = a0 * alpha[:, None] + tl.dot(pu, code_units(vw, 0, V_BITS)) + pc
-    a1 = a1 * alpha[:, None] + tl.dot(pu, code_units(vw, V_BITS, V_BITS)) + pc
-    a2 = a2 * alpha[:, None] + tl.dot(pu, code_units(vw, 2 * V_BITS, V_BITS)) + pc
-    a3 = a3 * alpha[:, None] + tl.dot(pu, code_units(vw, 3 * V_BITS, V_BITS)) + pc
+    ps = (p * vs[None, :]).to(tl.float16)
+    pz = tl.sum(p * vz[None, :], 1)[:, None]
+    v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
+    a0 = a0 * alpha[:, None] + tl.dot(ps, v0) + pz
+    a1 = a1 * alpha[:, None] + tl.dot(ps, v1) + pz
+    a2 = a2 * alpha[:, None] + tl.dot(ps, v2) + pz
+    a3 = a3 * alpha[:, None] + tl.dot(ps, v3) + pz
     return m_new, l, a0, a1, a2, a3
 
 
@@ -303,7 +333,7 @@ def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v
                          HOT_SKIP: tl.constexpr, FOLD: tl.constexpr = False, qsum=None, slot=None,
                          k_codes=None, k_scale=None, k_zero=None, v_codes=None, v_scale=None, v_zero=None,
                          K_G: tl.constexpr = 0, V_G: tl.constexpr = 0, K_SYM: tl.constexpr = False,
-                         V_SYM: tl.constexpr = False):
+                         V_SYM: tl.constexpr = False, PACKED: tl.constexpr = False):
     """One online-softmax step over a block fetched by :func:`fetch_block` (its hot rows read here).
 
     ``FOLD`` (rows of one scale and zero; with ``HOT_SKIP``): a block without a hot row is attended by
@@ -322,11 +352,10 @@ def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v
                                                 tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, "fp16")
         else:
             BLOCK_N: tl.constexpr = kw.shape[0]
-            ku = tl.reshape(ks, (BLOCK_N,)) * (1 << K_BITS)
-            vu = tl.reshape(vs, (BLOCK_N,)) * (1 << V_BITS)
             m, l, a0, a1, a2, a3 = attend_block_folded(
-                q0, q1, q2, q3, qsum, kw, ku, tl.reshape(kz, (BLOCK_N,)) - ku, vw, vu,
-                tl.reshape(vz, (BLOCK_N,)) - vu, tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, K_BITS, V_BITS)
+                q0, q1, q2, q3, qsum, kw, tl.reshape(ks, (BLOCK_N,)), tl.reshape(kz, (BLOCK_N,)), vw,
+                tl.reshape(vs, (BLOCK_N,)), tl.reshape(vz, (BLOCK_N,)), tmask[None, :], qk_scale, m, l,
+                a0, a1, a2, a3, K_BITS, V_BITS, PACKED)
     else:
         k0, k1, k2, k3 = dequant_rows(kw, ks, kz, k_hot, hot_row, hot, D, K_BITS, HOT_SKIP)
         v0, v1, v2, v3 = dequant_rows(vw, vs, vz, v_hot, hot_row, hot, D, V_BITS, HOT_SKIP)
@@ -341,7 +370,8 @@ def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
                         q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
                         D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                         V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
-                        HOT_SKIP: tl.constexpr, FOLD: tl.constexpr = False, qsum=None):
+                        HOT_SKIP: tl.constexpr, FOLD: tl.constexpr = False, qsum=None,
+                        PACKED: tl.constexpr = False):
     """One online-softmax step over stored tokens ``t`` of a request (``tok_row_ptr`` = its
     ``req_to_token`` row): slot lookup, BF16 where the slot has a hot entry, quantized rows elsewhere
     (keys ``K_BITS`` bits in groups of ``K_G``, values ``V_BITS`` / ``V_G``; ``K_SYM``/``V_SYM``: symmetric rows)."""
@@ -352,4 +382,4 @@ def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
     return attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
                                 q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP,
                                 FOLD, qsum, slot, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                K_G, V_G, K_SYM, V_SYM)
+                                K_G, V_G, K_SYM, V_SYM, PACKED)

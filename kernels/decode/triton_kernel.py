@@ -27,6 +27,7 @@ from oscar_sglang.rotation import rotate_queries
 
 from ..common.triton_helpers import (attend_fetched_block, attend_stored_block, bf16_rne, block_slots, fetch_block,
                                      load_row_pieces, rotate_rows, slot_entries, store_pieces)
+from ..interpret import interpreted
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
 LOG2E = 1.4426950408889634
@@ -49,7 +50,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                          D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                          V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
                          ROTATE_Q: tl.constexpr, HOT_SKIP: tl.constexpr, PREFETCH: tl.constexpr,
-                         FOLD: tl.constexpr):
+                         FOLD: tl.constexpr, PACKED: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -88,7 +89,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 t, tmask, tok_row, hot_index, kvh, KV,
                 k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
                 q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM, V_SYM,
-                HOT_SKIP, FOLD, qsum)
+                HOT_SKIP, FOLD, qsum, PACKED)
     else:
         # Software pipeline over the dependent loads: block j+2's slots and block j+1's hot entries are loaded
         # while block j is computed (PREFETCH 1: its rows loaded then); PREFETCH 2: also block j+1's rows, and
@@ -121,7 +122,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
             m, l, a0, a1, a2, a3 = attend_fetched_block(
                 e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
                 q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP, FOLD, qsum,
-                s0, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, K_G, V_G, K_SYM, V_SYM)
+                s0, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, K_G, V_G, K_SYM, V_SYM, PACKED)
             if PREFETCH == 2:
                 kw, ks, kz, vw, vs, vz = nkw, nks, nkz, nvw, nvs, nvz
                 e0, e1 = e1, e2
@@ -270,6 +271,6 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
         K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
         PREFETCH=prefetch, FOLD=bool(fold and hot_skip and kf.group_for(d) == d and vf.group_for(d) == d),
-        num_warps=num_warps, num_stages=num_stages,
+        PACKED=not interpreted(_decode_split_kernel), num_warps=num_warps, num_stages=num_stages,
     )
     return merge_splits(mid_o, mid_lse, rot.v_rot, q.dtype)
