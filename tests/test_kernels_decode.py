@@ -116,8 +116,8 @@ def test_decode_with_bf16_dots_is_within_bf16_rounding_of_the_reference():
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(prefetch):
-    """``fold=True``: blocks without a hot row attended over the codes (1 + c / 2^bits, fp16) with each row's
-    scale and zero folded into the logits and weights; blocks with one dequantized as before.  Formats of one
+    """``fold=True``: blocks without a hot row attended over the codes (fp16, exact) with each row's scale and
+    zero folded into the logits and weights; blocks with one dequantized as before, 16 rows at a time.  Formats of one
     group per row (INT2, INT4 and INT8 keys, symmetric keys), hot windows or none, GQA 1 to 8."""
     lens = [0, 1, 17, 50, 70, 33]
     cases = [(64, 16, True, 4, FORMATS[0]), (128, 1, True, 3, FORMATS[3]), (64, 1, False, 1, FORMATS[5]),
@@ -128,7 +128,8 @@ def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(pref
         q = torch.randn(len(lens), KV * gqa, d, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
         args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
         ref = reference.decode_attention(*args, d**-0.5)
-        kw = dict(backend="triton", num_splits=1 + i, block_n=16, prefetch=prefetch)
+        # block_n 64 and 32: a block with a hot row is attended 16 rows at a time (several parts)
+        kw = dict(backend="triton", num_splits=1 + i, block_n=(16, 64, 32, 64)[i], prefetch=prefetch)
         out = api.decode_attention(*args, fold=True, **kw)
         err = (out - ref).abs().max().item()
         # fp16 queries and weights (10-bit mantissas, as TF32's): about 2^-12 of the output's scale here

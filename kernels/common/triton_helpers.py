@@ -272,7 +272,7 @@ def code_values(word, BITS: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
-def attend_block_folded(q0, q1, q2, q3, qsum, kw, ks, kz, vw, vs, vz, valid, qk_scale, m, l, a0, a1, a2, a3,
+def attend_block_folded(q0, q1, q2, q3, qsum, kw, ks, kz, vw, vs, vz, valid, qk_scale, m, lt, zt, a0, a1, a2, a3,
                         K_BITS: tl.constexpr, V_BITS: tl.constexpr, PACKED: tl.constexpr):
     """:func:`attend_block` over rows of one scale and zero each, without dequantizing them: the dots read the
     codes ``c`` themselves (fp16, exact; :func:`code_values`) and the rows' scales and zeros are folded in where
@@ -282,23 +282,38 @@ def attend_block_folded(q0, q1, q2, q3, qsum, kw, ks, kz, vw, vs, vz, valid, qk_
       their values);
     * output ``sum_t p_t v_t = (p scale) @ c + sum_t p_t zero_t`` (the weights ``p scale`` rounded to fp16).
 
-    fp16 operands, fp32 sums: the products of the codes are exact, the queries' rounding is TF32's (10 bits).
+    The softmax's sum and the zeros' term are kept per column, ``lt`` and ``zt`` ``[ROWS, BLOCK_N]`` (rescaled
+    as the accumulators), and summed over the columns once at the end (:func:`folded_sums`), so that a block
+    reduces across the warps only for its maximum.  fp16 operands, fp32 sums: the products of the codes are
+    exact, the queries' rounding is TF32's (10 bits).
     """
     k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
     s = tl.dot(q0, tl.trans(k0))
     s += tl.dot(q1, tl.trans(k1))
     s += tl.dot(q2, tl.trans(k2))
     s += tl.dot(q3, tl.trans(k3))
-    s = s * ks[None, :] + qsum[:, None] * kz[None, :]
-    m_new, l, alpha, p = softmax_step(s, valid, qk_scale, m, l)
+    s = tl.where(valid, s * (ks * qk_scale)[None, :] + qsum[:, None] * (kz * qk_scale)[None, :], float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - base)[:, None]
+    p = tl.exp2(s - base[:, None])
+    lt = lt * alpha + p
+    zt = zt * alpha + p * vz[None, :]
     ps = (p * vs[None, :]).to(tl.float16)
-    pz = tl.sum(p * vz[None, :], 1)[:, None]
     v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
-    a0 = a0 * alpha[:, None] + tl.dot(ps, v0) + pz
-    a1 = a1 * alpha[:, None] + tl.dot(ps, v1) + pz
-    a2 = a2 * alpha[:, None] + tl.dot(ps, v2) + pz
-    a3 = a3 * alpha[:, None] + tl.dot(ps, v3) + pz
-    return m_new, l, a0, a1, a2, a3
+    a0 = a0 * alpha + tl.dot(ps, v0)
+    a1 = a1 * alpha + tl.dot(ps, v1)
+    a2 = a2 * alpha + tl.dot(ps, v2)
+    a3 = a3 * alpha + tl.dot(ps, v3)
+    return m_new, lt, zt, a0, a1, a2, a3
+
+
+@triton.jit
+def folded_sums(lt, zt, a0, a1, a2, a3):
+    """The end of a folded loop: the softmax's sum ``l`` from its columns ``lt``, and the accumulators with the
+    zeros' term ``zt`` added."""
+    z = tl.sum(zt, 1)[:, None]
+    return tl.sum(lt, 1), a0 + z, a1 + z, a2 + z, a3 + z
 
 
 @triton.jit
@@ -330,38 +345,58 @@ def fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, 
 def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
                          q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
                          D: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PREC: tl.constexpr,
-                         HOT_SKIP: tl.constexpr, FOLD: tl.constexpr = False, qsum=None, slot=None,
-                         k_codes=None, k_scale=None, k_zero=None, v_codes=None, v_scale=None, v_zero=None,
-                         K_G: tl.constexpr = 0, V_G: tl.constexpr = 0, K_SYM: tl.constexpr = False,
-                         V_SYM: tl.constexpr = False, PACKED: tl.constexpr = False):
-    """One online-softmax step over a block fetched by :func:`fetch_block` (its hot rows read here).
-
-    ``FOLD`` (rows of one scale and zero; with ``HOT_SKIP``): a block without a hot row is attended by
-    :func:`attend_block_folded` (``q0..q3`` fp16, ``qsum`` their sum), one with a hot row dequantized, with
-    fp16 dots (half the shared memory of fp32 operands; ``PREC`` unused)."""
+                         HOT_SKIP: tl.constexpr):
+    """One online-softmax step over a block fetched by :func:`fetch_block` (its hot rows read here)."""
     hot = tmask & (entry >= 0)
     hot_row = entry * KV + kvh
-    if FOLD:
-        if tl.max(hot.to(tl.int32), 0) > 0:  # the rows fetched again, in the layouts this rare branch needs
-            hkw, hks, hkz, hvw, hvs, hvz = fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero,
+    k0, k1, k2, k3 = dequant_rows(kw, ks, kz, k_hot, hot_row, hot, D, K_BITS, HOT_SKIP)
+    v0, v1, v2, v3 = dequant_rows(vw, vs, vz, v_hot, hot_row, hot, D, V_BITS, HOT_SKIP)
+    return attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, tmask[None, :], qk_scale,
+                        m, l, a0, a1, a2, a3, PREC)
+
+
+@triton.jit
+def attend_fetched_block_folded(n0, end, tok_row_ptr, hot_index, entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz,
+                                k_hot, v_hot, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt, a0, a1, a2, a3,
+                                k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D: tl.constexpr,
+                                K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr,
+                                K_SYM: tl.constexpr, V_SYM: tl.constexpr, PACKED: tl.constexpr,
+                                HOT_ROWS: tl.constexpr = 16):
+    """:func:`attend_fetched_block` for rows of one scale and zero each (the decode's ``fold``) over the block of
+    tokens ``n0 + arange(BLOCK_N)`` (``< end``): without a hot row it is attended by :func:`attend_block_folded`
+    (``q0..q3`` fp16, ``qsum`` their sum; ``lt``, ``zt`` its per-column sums); with one, ``HOT_ROWS`` tokens at
+    a time are looked up and fetched again, dequantized (BF16 copies where hot) and attended with fp16 dots,
+    each part's sum put in column 0 of ``lt``.  The parts keep this rare branch's registers to a part's rows,
+    so that it does not raise the common path's (the whole kernel is allocated for its largest need)."""
+    hot = tmask & (entry >= 0)
+    if tl.max(hot.to(tl.int32), 0) > 0:
+        first = (tl.arange(0, lt.shape[1]) == 0)[None, :]
+        BLOCK_N: tl.constexpr = kw.shape[0]
+        for j in tl.static_range(0, BLOCK_N, HOT_ROWS):
+            t = n0 + j + tl.arange(0, HOT_ROWS)
+            tm = t < end
+            slot = block_slots(t, tm, tok_row_ptr)
+            ent = slot_entries(slot, tm, hot_index)
+            hkw, hks, hkz, hvw, hvs, hvz = fetch_block(slot, ent, tm, kvh, KV, k_codes, k_scale, k_zero,
                                                        v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
                                                        K_SYM, V_SYM)
-            k0, k1, k2, k3 = dequant_rows(hkw, hks, hkz, k_hot, hot_row, hot, D, K_BITS, False)
-            v0, v1, v2, v3 = dequant_rows(hvw, hvs, hvz, v_hot, hot_row, hot, D, V_BITS, False)
-            m, l, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
-                                                tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, "fp16")
-        else:
-            BLOCK_N: tl.constexpr = kw.shape[0]
-            m, l, a0, a1, a2, a3 = attend_block_folded(
-                q0, q1, q2, q3, qsum, kw, tl.reshape(ks, (BLOCK_N,)), tl.reshape(kz, (BLOCK_N,)), vw,
-                tl.reshape(vs, (BLOCK_N,)), tl.reshape(vz, (BLOCK_N,)), tmask[None, :], qk_scale, m, l,
-                a0, a1, a2, a3, K_BITS, V_BITS, PACKED)
+            hm = tm & (ent >= 0)
+            k0, k1, k2, k3 = dequant_rows(hkw, hks, hkz, k_hot, ent * KV + kvh, hm, D, K_BITS, False)
+            v0, v1, v2, v3 = dequant_rows(hvw, hvs, hvz, v_hot, ent * KV + kvh, hm, D, V_BITS, False)
+            m_new, l_part, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
+                                                         tm[None, :], qk_scale, m, tl.zeros_like(m),
+                                                         a0, a1, a2, a3, "fp16")
+            alpha = tl.exp2(m - tl.where(m_new == float("-inf"), 0.0, m_new))[:, None]
+            lt = lt * alpha + tl.where(first, l_part[:, None], 0.0)
+            zt = zt * alpha
+            m = m_new
     else:
-        k0, k1, k2, k3 = dequant_rows(kw, ks, kz, k_hot, hot_row, hot, D, K_BITS, HOT_SKIP)
-        v0, v1, v2, v3 = dequant_rows(vw, vs, vz, v_hot, hot_row, hot, D, V_BITS, HOT_SKIP)
-        m, l, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
-                                            tmask[None, :], qk_scale, m, l, a0, a1, a2, a3, PREC)
-    return m, l, a0, a1, a2, a3
+        BLOCK_N: tl.constexpr = kw.shape[0]
+        m, lt, zt, a0, a1, a2, a3 = attend_block_folded(
+            q0, q1, q2, q3, qsum, kw, tl.reshape(ks, (BLOCK_N,)), tl.reshape(kz, (BLOCK_N,)), vw,
+            tl.reshape(vs, (BLOCK_N,)), tl.reshape(vz, (BLOCK_N,)), tmask[None, :], qk_scale, m, lt, zt,
+            a0, a1, a2, a3, K_BITS, V_BITS, PACKED)
+    return m, lt, zt, a0, a1, a2, a3
 
 
 @triton.jit
@@ -370,8 +405,7 @@ def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
                         q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
                         D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                         V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
-                        HOT_SKIP: tl.constexpr, FOLD: tl.constexpr = False, qsum=None,
-                        PACKED: tl.constexpr = False):
+                        HOT_SKIP: tl.constexpr):
     """One online-softmax step over stored tokens ``t`` of a request (``tok_row_ptr`` = its
     ``req_to_token`` row): slot lookup, BF16 where the slot has a hot entry, quantized rows elsewhere
     (keys ``K_BITS`` bits in groups of ``K_G``, values ``V_BITS`` / ``V_G``; ``K_SYM``/``V_SYM``: symmetric rows)."""
@@ -380,6 +414,4 @@ def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
     kw, ks, kz, vw, vs, vz = fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, v_scale,
                                          v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
     return attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP,
-                                FOLD, qsum, slot, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                K_G, V_G, K_SYM, V_SYM, PACKED)
+                                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)

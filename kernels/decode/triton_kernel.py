@@ -25,8 +25,9 @@ import triton.language as tl
 
 from oscar_sglang.rotation import rotate_queries
 
-from ..common.triton_helpers import (attend_fetched_block, attend_stored_block, bf16_rne, block_slots, fetch_block,
-                                     load_row_pieces, rotate_rows, slot_entries, store_pieces)
+from ..common.triton_helpers import (attend_fetched_block, attend_fetched_block_folded, attend_stored_block, bf16_rne,
+                                     block_slots, fetch_block, folded_sums, load_row_pieces, rotate_rows,
+                                     slot_entries, store_pieces)
 from ..interpret import interpreted
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
@@ -75,6 +76,8 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         qsum = tl.zeros([BLOCK_H], tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
+    lt = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # FOLD: the softmax's sum and the zeros' term, per column
+    zt = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
     a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)
     a1 = tl.zeros([BLOCK_H, D // 4], tl.float32)
     a2 = tl.zeros([BLOCK_H, D // 4], tl.float32)
@@ -85,11 +88,23 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         for n0 in range(start, end, BLOCK_N):
             t = n0 + n
             tmask = t < end
-            m, l, a0, a1, a2, a3 = attend_stored_block(
-                t, tmask, tok_row, hot_index, kvh, KV,
-                k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
-                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM, V_SYM,
-                HOT_SKIP, FOLD, qsum, PACKED)
+            if FOLD:
+                slot = block_slots(t, tmask, tok_row)
+                entry = slot_entries(slot, tmask, hot_index)
+                kw, ks, kz, vw, vs, vz = fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero,
+                                                     v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
+                                                     K_SYM, V_SYM)
+                m, lt, zt, a0, a1, a2, a3 = attend_fetched_block_folded(
+                    n0, end, tok_row, hot_index, entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                    q0, q1, q2, q3, qsum,
+                    qk_scale, m, lt, zt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D,
+                    K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM, PACKED)
+            else:
+                m, l, a0, a1, a2, a3 = attend_stored_block(
+                    t, tmask, tok_row, hot_index, kvh, KV,
+                    k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
+                    q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM,
+                    V_SYM, HOT_SKIP)
     else:
         # Software pipeline over the dependent loads: block j+2's slots and block j+1's hot entries are loaded
         # while block j is computed (PREFETCH 1: its rows loaded then); PREFETCH 2: also block j+1's rows, and
@@ -119,10 +134,16 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
                                                      v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
                                                      K_SYM, V_SYM)
-            m, l, a0, a1, a2, a3 = attend_fetched_block(
-                e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP, FOLD, qsum,
-                s0, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, K_G, V_G, K_SYM, V_SYM, PACKED)
+            if FOLD:
+                m, lt, zt, a0, a1, a2, a3 = attend_fetched_block_folded(
+                    n0, end, tok_row, hot_index, e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                    q0, q1, q2, q3, qsum,
+                    qk_scale, m, lt, zt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D,
+                    K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM, PACKED)
+            else:
+                m, l, a0, a1, a2, a3 = attend_fetched_block(
+                    e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                    q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
             if PREFETCH == 2:
                 kw, ks, kz, vw, vs, vz = nkw, nks, nkz, nvw, nvs, nvz
                 e0, e1 = e1, e2
@@ -130,6 +151,8 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
             else:
                 s0, e0 = s1, e1
                 s1 = s_lead
+    if FOLD:
+        l, a0, a1, a2, a3 = folded_sums(lt, zt, a0, a1, a2, a3)
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
     part = (b * Q_HEADS + qh).to(tl.int64) * NUM_SPLITS + sp
