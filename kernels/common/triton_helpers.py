@@ -272,48 +272,42 @@ def code_values(word, BITS: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
-def attend_block_folded(q0, q1, q2, q3, qsum, kw, ks, kz, vw, vs, vz, valid, qk_scale, m, lt, zt, a0, a1, a2, a3,
-                        K_BITS: tl.constexpr, V_BITS: tl.constexpr, PACKED: tl.constexpr):
-    """:func:`attend_block` over rows of one scale and zero each, without dequantizing them: the dots read the
-    codes ``c`` themselves (fp16, exact; :func:`code_values`) and the rows' scales and zeros are folded in where
-    they are constant.  A row is ``scale c + zero`` (``ks, kz, vs, vz``: ``[BLOCK_N]``), so
+def attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs, qt0, qt1, qt2, qt3, qsum, valid, qk_scale, m,
+                    o0, o1, o2, o3):
+    """One online-softmax step (base 2), transposed, over rows ``scale x + zero`` given by fp16 pieces ``x``
+    (``k0..k3``, ``v0..v3``: ``[BLOCK_N, D // 4]``) and per-row ``ks, kz, vs`` (``[BLOCK_N, 1]``; the values' zeros
+    are the caller's: ``sum_t p_t zero_t``).  The queries are the dots' right operand, ``qt0..qt3`` ``[D // 4,
+    H]`` fp16 (``qsum [H]`` the sum of their values), and so are the weights for the outputs ``o0..o3`` ``[D // 4,
+    H]``: the group's few query heads fill the MMA's 8-wide side instead of being padded to its 16 rows.
 
-    * logits ``q . k_t = scale_t (q . c_t) + zero_t sum(q)`` (``q0..q3``: fp16 pieces, ``qsum`` the sum of
-      their values);
-    * output ``sum_t p_t v_t = (p scale) @ c + sum_t p_t zero_t`` (the weights ``p scale`` rounded to fp16).
+    * logits ``k_t . q = ks_t (x_t . q) + kz_t sum(q)``, ``valid [BLOCK_N, 1]``;
+    * outputs ``o += x^T (p vs)`` (weights rounded to fp16, fp32 sums).
 
-    The softmax's sum and the zeros' term are kept per column, ``lt`` and ``zt`` ``[ROWS, BLOCK_N]`` (rescaled
-    as the accumulators), and summed over the columns once at the end (:func:`folded_sums`), so that a block
-    reduces across the warps only for its maximum.  fp16 operands, fp32 sums: the products of the codes are
-    exact, the queries' rounding is TF32's (10 bits).
-    """
-    k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
-    s = tl.dot(q0, tl.trans(k0))
-    s += tl.dot(q1, tl.trans(k1))
-    s += tl.dot(q2, tl.trans(k2))
-    s += tl.dot(q3, tl.trans(k3))
-    s = tl.where(valid, s * (ks * qk_scale)[None, :] + qsum[:, None] * (kz * qk_scale)[None, :], float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
+    Returns the new running max ``[H]``, the factor ``alpha [1, H]`` that rescaled what came before, the
+    weights ``p [BLOCK_N, H]`` and the outputs."""
+    s = tl.dot(k0, qt0)
+    s += tl.dot(k1, qt1)
+    s += tl.dot(k2, qt2)
+    s += tl.dot(k3, qt3)
+    s = tl.where(valid, s * (ks * qk_scale) + (kz * qk_scale) * qsum[None, :], float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 0))
     base = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - base)[:, None]
-    p = tl.exp2(s - base[:, None])
-    lt = lt * alpha + p
-    zt = zt * alpha + p * vz[None, :]
-    ps = (p * vs[None, :]).to(tl.float16)
-    v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
-    a0 = a0 * alpha + tl.dot(ps, v0)
-    a1 = a1 * alpha + tl.dot(ps, v1)
-    a2 = a2 * alpha + tl.dot(ps, v2)
-    a3 = a3 * alpha + tl.dot(ps, v3)
-    return m_new, lt, zt, a0, a1, a2, a3
+    alpha = tl.exp2(m - base)[None, :]
+    p = tl.exp2(s - base[None, :])
+    ps = (p * vs).to(tl.float16)
+    o0 = o0 * alpha + tl.dot(tl.trans(v0), ps)
+    o1 = o1 * alpha + tl.dot(tl.trans(v1), ps)
+    o2 = o2 * alpha + tl.dot(tl.trans(v2), ps)
+    o3 = o3 * alpha + tl.dot(tl.trans(v3), ps)
+    return m_new, alpha, p, o0, o1, o2, o3
 
 
 @triton.jit
-def folded_sums(lt, zt, a0, a1, a2, a3):
-    """The end of a folded loop: the softmax's sum ``l`` from its columns ``lt``, and the accumulators with the
-    zeros' term ``zt`` added."""
-    z = tl.sum(zt, 1)[:, None]
-    return tl.sum(lt, 1), a0 + z, a1 + z, a2 + z, a3 + z
+def folded_sums(lt, zt, o0, o1, o2, o3):
+    """The end of a folded loop: the softmax's sum ``l [H]`` from its rows ``lt``, and the outputs with the zeros'
+    term ``zt`` added, as ``[H, D // 4]`` pieces."""
+    z = tl.sum(zt, 0)[None, :]
+    return tl.sum(lt, 0), tl.trans(o0 + z), tl.trans(o1 + z), tl.trans(o2 + z), tl.trans(o3 + z)
 
 
 @triton.jit
@@ -357,21 +351,26 @@ def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v
 
 @triton.jit
 def attend_fetched_block_folded(n0, end, tok_row_ptr, hot_index, entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz,
-                                k_hot, v_hot, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt, a0, a1, a2, a3,
+                                k_hot, v_hot, qt0, qt1, qt2, qt3, qsum, qk_scale, m, lt, zt, o0, o1, o2, o3,
                                 k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D: tl.constexpr,
                                 K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr,
                                 K_SYM: tl.constexpr, V_SYM: tl.constexpr, PACKED: tl.constexpr,
                                 HOT_ROWS: tl.constexpr = 16):
-    """:func:`attend_fetched_block` for rows of one scale and zero each (the decode's ``fold``) over the block of
-    tokens ``n0 + arange(BLOCK_N)`` (``< end``): without a hot row it is attended by :func:`attend_block_folded`
-    (``q0..q3`` fp16, ``qsum`` their sum; ``lt``, ``zt`` its per-column sums); with one, ``HOT_ROWS`` tokens at
-    a time are looked up and fetched again, dequantized (BF16 copies where hot) and attended with fp16 dots,
-    each part's sum put in column 0 of ``lt``.  The parts keep this rare branch's registers to a part's rows,
-    so that it does not raise the common path's (the whole kernel is allocated for its largest need)."""
+    """:func:`attend_fetched_block` for rows of one scale and zero each (the decode's ``fold``), transposed
+    (:func:`attend_affine_t`), over the block of tokens ``n0 + arange(BLOCK_N)`` (``< end``).  Without a hot row
+    the dots read the codes themselves (:func:`code_values`: fp16, exact), each row's scale and zero folded in
+    where they are constant (``scale c + zero``); the softmax's sum and the zeros' term are kept per row,
+    ``lt`` and ``zt`` ``[BLOCK_N, H]`` (rescaled as the outputs), and summed once at the end
+    (:func:`folded_sums`), so that a block reduces across warps for its maximum only.  With a hot row,
+    ``HOT_ROWS`` tokens at a time are looked up and fetched again, dequantized (BF16 copies where hot) and
+    attended in fp16 the same way (scale 1, zero 0), each part's sum put in row 0 of ``lt``: the parts keep
+    this rare branch's registers to a part's rows, so that it does not raise the common path's (the kernel is
+    allocated for its largest need)."""
+    BLOCK_N: tl.constexpr = kw.shape[0]
     hot = tmask & (entry >= 0)
     if tl.max(hot.to(tl.int32), 0) > 0:
-        first = (tl.arange(0, lt.shape[1]) == 0)[None, :]
-        BLOCK_N: tl.constexpr = kw.shape[0]
+        first = (tl.arange(0, BLOCK_N) == 0)[:, None]
+        one = tl.full([HOT_ROWS, 1], 1.0, tl.float32)
         for j in tl.static_range(0, BLOCK_N, HOT_ROWS):
             t = n0 + j + tl.arange(0, HOT_ROWS)
             tm = t < end
@@ -381,22 +380,23 @@ def attend_fetched_block_folded(n0, end, tok_row_ptr, hot_index, entry, tmask, k
                                                        v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
                                                        K_SYM, V_SYM)
             hm = tm & (ent >= 0)
-            k0, k1, k2, k3 = dequant_rows(hkw, hks, hkz, k_hot, ent * KV + kvh, hm, D, K_BITS, False)
-            v0, v1, v2, v3 = dequant_rows(hvw, hvs, hvz, v_hot, ent * KV + kvh, hm, D, V_BITS, False)
-            m_new, l_part, a0, a1, a2, a3 = attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3,
-                                                         tm[None, :], qk_scale, m, tl.zeros_like(m),
-                                                         a0, a1, a2, a3, "fp16")
-            alpha = tl.exp2(m - tl.where(m_new == float("-inf"), 0.0, m_new))[:, None]
-            lt = lt * alpha + tl.where(first, l_part[:, None], 0.0)
-            zt = zt * alpha
-            m = m_new
+            x0, x1, x2, x3 = dequant_rows(hkw, hks, hkz, k_hot, ent * KV + kvh, hm, D, K_BITS, False)
+            y0, y1, y2, y3 = dequant_rows(hvw, hvs, hvz, v_hot, ent * KV + kvh, hm, D, V_BITS, False)
+            m, part_alpha, part_p, o0, o1, o2, o3 = attend_affine_t(
+                x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16), one, one * 0.0,
+                y0.to(tl.float16), y1.to(tl.float16), y2.to(tl.float16), y3.to(tl.float16), one,
+                qt0, qt1, qt2, qt3, qsum, tm[:, None], qk_scale, m, o0, o1, o2, o3)
+            lt = lt * part_alpha + tl.where(first, tl.sum(part_p, 0)[None, :], 0.0)
+            zt = zt * part_alpha
     else:
-        BLOCK_N: tl.constexpr = kw.shape[0]
-        m, lt, zt, a0, a1, a2, a3 = attend_block_folded(
-            q0, q1, q2, q3, qsum, kw, tl.reshape(ks, (BLOCK_N,)), tl.reshape(kz, (BLOCK_N,)), vw,
-            tl.reshape(vs, (BLOCK_N,)), tl.reshape(vz, (BLOCK_N,)), tmask[None, :], qk_scale, m, lt, zt,
-            a0, a1, a2, a3, K_BITS, V_BITS, PACKED)
-    return m, lt, zt, a0, a1, a2, a3
+        k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
+        v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
+        m, alpha, p, o0, o1, o2, o3 = attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs,
+                                                      qt0, qt1, qt2, qt3, qsum, tmask[:, None], qk_scale, m,
+                                                      o0, o1, o2, o3)
+        lt = lt * alpha + p
+        zt = zt * alpha + p * vz
+    return m, lt, zt, o0, o1, o2, o3
 
 
 @triton.jit

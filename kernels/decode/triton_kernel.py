@@ -69,19 +69,27 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                                      False, BLOCK_H, D, 32)
     else:  # q_ptr: fp32 queries rotated before the launch
         q0, q1, q2, q3 = load_row_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
-    if FOLD:  # fp16 queries for every block's dots (the hot blocks' fp16 dots too), and their sum
-        q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
-        qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), 1)
-    else:
-        qsum = tl.zeros([BLOCK_H], tl.float32)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    lt = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)  # FOLD: the softmax's sum and the zeros' term, per column
-    zt = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-    a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)
-    a1 = tl.zeros([BLOCK_H, D // 4], tl.float32)
-    a2 = tl.zeros([BLOCK_H, D // 4], tl.float32)
-    a3 = tl.zeros([BLOCK_H, D // 4], tl.float32)
+    if FOLD:  # transposed (attend_affine_t): fp16 queries [D/4, BLOCK_H] and their sum, outputs [D/4, BLOCK_H],
+        # the softmax's sum and the zeros' term per row [BLOCK_N, BLOCK_H]
+        q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
+        qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), 1)
+        q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
+        lt = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+        zt = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+        a0 = tl.zeros([D // 4, BLOCK_H], tl.float32)
+        a1 = tl.zeros([D // 4, BLOCK_H], tl.float32)
+        a2 = tl.zeros([D // 4, BLOCK_H], tl.float32)
+        a3 = tl.zeros([D // 4, BLOCK_H], tl.float32)
+    else:
+        qsum = tl.zeros([BLOCK_H], tl.float32)
+        lt = tl.zeros([1, 1], tl.float32)
+        zt = tl.zeros([1, 1], tl.float32)
+        a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)
+        a1 = tl.zeros([BLOCK_H, D // 4], tl.float32)
+        a2 = tl.zeros([BLOCK_H, D // 4], tl.float32)
+        a3 = tl.zeros([BLOCK_H, D // 4], tl.float32)
     tok_row = req_to_token + req * stride_r2t
     n = tl.arange(0, BLOCK_N)
     if PREFETCH == 0:  # each block's three dependent loads (slot, hot entry, rows) in turn
@@ -284,16 +292,17 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         q_in = rotate_queries(q, rot.q_rot).contiguous()
     else:
         q_in = q if q.stride(-1) == 1 else q.contiguous()
+    fold = bool(fold and hot_skip and kf.group_for(d) == d and vf.group_for(d) == d)
     mid_o = torch.empty(bsz, q_heads, splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(bsz, q_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, kv, splits)](
         q_in, rot.q_rot, *store.row_args(),
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q_in.stride(0), q_in.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
-        GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
+        GQ=gq, BLOCK_H=max(8 if fold else 16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
         K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
         K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
-        PREFETCH=prefetch, FOLD=bool(fold and hot_skip and kf.group_for(d) == d and vf.group_for(d) == d),
+        PREFETCH=prefetch, FOLD=fold,
         PACKED=not interpreted(_decode_split_kernel), num_warps=num_warps, num_stages=num_stages,
     )
     return merge_splits(mid_o, mid_lse, rot.v_rot, q.dtype)
