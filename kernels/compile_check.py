@@ -29,10 +29,8 @@ EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block
 # (the default since then: block_n 64, prefetch 1, hot_skip; these are the others)
 DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"block_n": 32, "prefetch": 1},
                    {"block_n": 32, "prefetch": 2}, {"prefetch": 2}, {"block_n": 128},
-                   {"dots": "bf16"}, {"dots": "bf16", "block_n": 128}, {"fold": True}, {"fold": True, "block_n": 128},
-                   {"fold": True, "block_n": 32}, {"fold": True, "block_n": 128, "num_warps": 8},
-                   {"fold": True, "num_warps": 1}, {"fold": True, "num_warps": 2}, {"fold": True, "block_n": 32, "num_warps": 1},
-                   {"fold": True, "block_n": 128, "num_warps": 2}, {"fold": True, "block_n": 32, "num_warps": 2})
+                   {"dots": "bf16"}, {"dots": "bf16", "block_n": 128}, {"fold": True}, {"fold": True, "num_warps": 2},
+                   {"fold": True, "block_n": 32, "num_warps": 1}, {"fold": True, "block_n": 128, "num_warps": 2})
 
 
 class _Recorder:

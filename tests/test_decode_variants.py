@@ -16,7 +16,7 @@ def test_profile_mode_launches_the_named_variants_and_agrees(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     profiled = [line for line in r.stdout.splitlines() if line.startswith("profiled batch 2 ctx 96: ")]
     labels = [line.split(": ")[1].split(" (")[0] for line in profiled]
-    assert labels == ["as run 1", "prefetch 1 + hot_skip, block_n 64", "default, fold"]
+    assert labels == ["as run 1", "prefetch 1 + hot_skip, block_n 64", "default, fold", "default, fold, 2 warps"]
     assert all(line.endswith("differs from the first by 0.0e+00") for line in profiled)  # deterministic
     # the folded scales' fp16 dots against the first run's fp32 ones: within fp16 rounding, not bit-equal
     err = float(r.stdout.split("max relative difference ")[1].split()[0])

@@ -301,6 +301,8 @@ def test_choose_splits_fills_the_device_without_a_host_sync():
     assert choose_splits(64, 8, cpu) == 1
     assert choose_splits(1, 1, cpu, max_seq_len=10) == 1
     assert 1 <= choose_splits(1, 1, cpu) <= MAX_SPLITS
+    # programs of 2 warps: twice as many splits, so that about as many warps run per multiprocessor
+    assert choose_splits(1, 2, cpu, num_warps=2) == 2 * choose_splits(1, 2, cpu)
 
 
 def test_grouped_rotation_glue_equals_the_per_head_formula():

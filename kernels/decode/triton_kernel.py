@@ -211,9 +211,10 @@ def _processors(device: torch.device) -> int:
 
 
 def choose_splits(batch: int, kv_heads: int, device: torch.device, max_seq_len: int | None = None,
-                  block_n: int = 32) -> int:
-    """Splits per request so that about 2 programs run per streaming multiprocessor (no host sync)."""
-    s = triton.cdiv(2 * _processors(device), max(1, batch * kv_heads))
+                  block_n: int = 32, num_warps: int = 4) -> int:
+    """Splits per request so that about 8 warps run per streaming multiprocessor (2 programs of 4 warps, 4 of 2),
+    without a host sync."""
+    s = triton.cdiv(max(1, 8 // num_warps) * _processors(device), max(1, batch * kv_heads))
     if max_seq_len is not None:
         s = min(s, triton.cdiv(max(1, max_seq_len), 2 * block_n))
     return max(1, min(MAX_SPLITS, s))
@@ -285,7 +286,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     if bsz == 0:
         return torch.zeros_like(q)
     require_contiguous(store, rot)
-    splits = num_splits or choose_splits(bsz, kv, q.device, max_seq_len, block_n)
+    splits = num_splits or choose_splits(bsz, kv, q.device, max_seq_len, block_n, num_warps)
     if rotate_q_in_kernel is None:
         rotate_q_in_kernel = rotates_q_in_kernel(bsz, kv, splits, q.device)
     if not rotate_q_in_kernel:

@@ -257,9 +257,9 @@ class OscarInt2AttnBackend(AttentionBackend):
             if self._uses_triton():
                 from oscar_sglang.kernels.decode.triton_kernel import choose_splits
 
-                block_n = {k: v for k, v in self._decode_options.items() if k == "block_n"}   # the knob's, if set
+                tile = {k: v for k, v in self._decode_options.items() if k in ("block_n", "num_warps")}  # the knob's
                 splits = choose_splits(bs, self.pool.head_num, torch.device(self.device),
-                                       max_seq_len=self.req_to_token.shape[1], **block_n)
+                                       max_seq_len=self.req_to_token.shape[1], **tile)
             self._graph_splits[bs] = splits
         return self._graph_splits[bs]
 
