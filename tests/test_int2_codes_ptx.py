@@ -1,4 +1,4 @@
-"""The inline PTX that unpacks INT2 codes for the folded decode (``triton_helpers._INT2_CODES_PTX``), executed
+"""The inline PTX that unpacks INT2 codes for the folded decode (``triton_helpers.int2_piece_ptx``), executed
 here by a small model of its three instructions (PTX ISA semantics of ``prmt.b32``, ``lop3.b32`` and
 ``fma.rn.f16x2``), against the codes read from the bytes directly.  The interpreter cannot run PTX, so this is
 what proves the string's arithmetic on a machine without a GPU; the kernel tests prove it natively on CUDA."""
@@ -79,20 +79,24 @@ def run_ptx(text: str, inputs: dict) -> dict:
 
 
 def test_int2_codes_ptx_gives_every_code_of_four_bytes_exactly():
-    """Four bytes (words 0..3, word 0 the low byte) in ``$8``: output ``$2p + w // 2``, half ``w % 2``, must be
-    the code of piece p of word w, ``(byte >> 2p) & 3``, as an fp16 value, for every byte value in every place.
-    (That placement is Triton's packing for ``pack=4``, read in its LLVM IR: the input an ``i32`` bitcast to
-    ``<4 x i8>``, each output two ``<2 x half>``, output k in registers 2k and 2k + 1, element 0 the low half.)"""
-    ptx = triton_helpers._INT2_CODES_PTX.value
-    assert set(re.findall(r"\$(\d+)", ptx)) == {str(i) for i in range(9)}
+    """Four bytes (words 0..3, word 0 the low byte) in ``$2``: the PTX of piece p must give, in output ``$(w //
+    2)``, half ``w % 2``, the code of piece p of word w, ``(byte >> 2p) & 3``, as an fp16 value, for every byte
+    value in every place.  (That placement is Triton's packing for ``pack=4``, read in its LLVM IR: the input an
+    ``i32`` bitcast to ``<4 x i8>``, the output two ``<2 x half>``, element 0 the low half.)  The kernel uses
+    the same strings (the ``tl.constexpr`` globals)."""
     rng = np.random.default_rng(0)
     b = np.arange(256, dtype=np.uint32)
     words = np.concatenate([b, b << 8, b << 16, b << 24, b * 0x01010101,
                             rng.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)])
-    regs = run_ptx(ptx, {"$8": words})
+    kernel_ptx = (triton_helpers._INT2_PIECE0_PTX, triton_helpers._INT2_PIECE1_PTX,
+                  triton_helpers._INT2_PIECE2_PTX, triton_helpers._INT2_PIECE3_PTX)
     for p in range(4):
+        ptx = triton_helpers.int2_piece_ptx(p)
+        assert kernel_ptx[p].value == ptx
+        assert set(re.findall(r"\$(\d+)", ptx)) == {"0", "1", "2"}
+        regs = run_ptx(ptx, {"$2": words})
         for w in range(4):
-            got = _halves(regs[f"${2 * p + w // 2}"])[w % 2].astype(np.float64)
+            got = _halves(regs[f"${w // 2}"])[w % 2].astype(np.float64)
             want = ((words >> (8 * w + 2 * p)) & 3).astype(np.float64)
             assert np.array_equal(got, want), (p, w)
 

@@ -230,38 +230,49 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
     return m_new, l, a0, a1, a2, a3
 
 
-# PTX for :func:`code_values` with INT2 words, four words (one per byte of ``$8``, word 0 the low byte) per call:
-# ``prmt`` spreads bytes 0, 1 (2, 3) to the halves of a register, ``lop3`` ``(t & mask) | 1024.0`` puts piece p's
-# codes (bits 2p of each byte) in the mantissas of two fp16 1024.0 (1024 + 4^p c), ``fma.rn.f16x2`` times 4^-p
-# minus 1024 4^-p leaves c, exactly.  Outputs ``$2p, $2p+1``: piece p of words (0, 1) and (2, 3), the first word
-# in the low half.
-_INT2_CODES_PTX = tl.constexpr("""{
-.reg .b32 t<2>, s<4>, z<4>;
-prmt.b32 t0, $8, 0, 0x4140;
-prmt.b32 t1, $8, 0, 0x4342;
-mov.b32 s0, 0x3c003c00; mov.b32 s1, 0x34003400; mov.b32 s2, 0x2c002c00; mov.b32 s3, 0x24002400;
-mov.b32 z0, 0xe400e400; mov.b32 z1, 0xdc00dc00; mov.b32 z2, 0xd400d400; mov.b32 z3, 0xcc00cc00;
-lop3.b32 $0, t0, 0x00030003, 0x64006400, 0xea; fma.rn.f16x2 $0, $0, s0, z0;
-lop3.b32 $1, t1, 0x00030003, 0x64006400, 0xea; fma.rn.f16x2 $1, $1, s0, z0;
-lop3.b32 $2, t0, 0x000c000c, 0x64006400, 0xea; fma.rn.f16x2 $2, $2, s1, z1;
-lop3.b32 $3, t1, 0x000c000c, 0x64006400, 0xea; fma.rn.f16x2 $3, $3, s1, z1;
-lop3.b32 $4, t0, 0x00300030, 0x64006400, 0xea; fma.rn.f16x2 $4, $4, s2, z2;
-lop3.b32 $5, t1, 0x00300030, 0x64006400, 0xea; fma.rn.f16x2 $5, $5, s2, z2;
-lop3.b32 $6, t0, 0x00c000c0, 0x64006400, 0xea; fma.rn.f16x2 $6, $6, s3, z3;
-lop3.b32 $7, t1, 0x00c000c0, 0x64006400, 0xea; fma.rn.f16x2 $7, $7, s3, z3;
-}""")
+def int2_piece_ptx(p: int) -> str:
+    """PTX for piece ``p`` of :func:`code_values` with INT2 words, four words (one per byte of ``$2``, word 0 the
+    low byte) per call: ``prmt`` spreads bytes 0, 1 (2, 3) to the halves of a register, ``lop3`` ``(t & mask) |
+    1024.0`` puts the piece's codes (bits 2p of each byte) in the mantissas of two fp16 1024.0 (``1024 + 4^p
+    c``), ``fma.rn.f16x2`` times ``4^-p`` minus ``1024 4^-p`` leaves ``c``, exactly.  Outputs ``$0``: words 0, 1;
+    ``$1``: words 2, 3, the first word in the low half.  One call per piece (not one for all four, whose eight
+    outputs the compiler then moved into the MMA's operand registers; the four calls' ``prmt`` are the same
+    instructions and are computed once)."""
+    mask = 0x00030003 << (2 * p)
+    scale = (0x3C00, 0x3400, 0x2C00, 0x2400)[p] * 0x10001       # fp16 4^-p in both halves
+    zero = (0xE400, 0xDC00, 0xD400, 0xCC00)[p] * 0x10001        # fp16 -1024 4^-p in both halves
+    return f"""{{
+.reg .b32 t<2>, s, z;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+mov.b32 s, {scale:#010x};
+mov.b32 z, {zero:#010x};
+lop3.b32 $0, t0, {mask:#010x}, 0x64006400, 0xea;
+fma.rn.f16x2 $0, $0, s, z;
+lop3.b32 $1, t1, {mask:#010x}, 0x64006400, 0xea;
+fma.rn.f16x2 $1, $1, s, z;
+}}"""
+
+
+_INT2_PIECE0_PTX = tl.constexpr(int2_piece_ptx(0))
+_INT2_PIECE1_PTX = tl.constexpr(int2_piece_ptx(1))
+_INT2_PIECE2_PTX = tl.constexpr(int2_piece_ptx(2))
+_INT2_PIECE3_PTX = tl.constexpr(int2_piece_ptx(3))
 
 
 @triton.jit
 def code_values(word, BITS: tl.constexpr, PACKED: tl.constexpr):
     """The codes of the four pieces of ``word`` (int32, four codes each) as fp16 values ``c``, exactly (``c <
     2^BITS <= 256``): each code put in the mantissa of fp16 1024.0 by integer ops, then 1024 taken off, no
-    int-to-float conversion.  ``PACKED`` (INT2 on a GPU): the same in inline PTX (:data:`_INT2_CODES_PTX`) two
+    int-to-float conversion.  ``PACKED`` (INT2 on a GPU): the same in inline PTX (:func:`int2_piece_ptx`) two
     codes per instruction, fp16 pairs as the dots read them; else one code per operation (the interpreter
     cannot run PTX; this is the PTX's reference)."""
     if PACKED and BITS == 2:
-        x0, x1, x2, x3 = tl.inline_asm_elementwise(_INT2_CODES_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word.to(tl.uint8)],
-                                                   (tl.float16, tl.float16, tl.float16, tl.float16), True, 4)
+        w8 = word.to(tl.uint8)
+        x0 = tl.inline_asm_elementwise(_INT2_PIECE0_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
+        x1 = tl.inline_asm_elementwise(_INT2_PIECE1_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
+        x2 = tl.inline_asm_elementwise(_INT2_PIECE2_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
+        x3 = tl.inline_asm_elementwise(_INT2_PIECE3_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
     else:
         MASK: tl.constexpr = (1 << BITS) - 1
         x0 = ((word & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0

@@ -274,7 +274,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     group per row, with ``hot_skip`` (else ignored); the rotated queries must fit fp16's range (|x| < 65504;
     a model's are tens at most).  A variant for the GPU to time (scripts/device/decode_variants.py): compiled
     for sm_90 (kernels/compile_check.py --sass) it issues 41 warp-instructions per token with triton 3.6 (the
-    default 112) and 48 with 3.8 (the default 60); 25 and 27 with ``num_warps=2``.
+    default 112) and 43 with 3.8 (the default 60); 25 and 26 with ``num_warps=2``.
     """
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")

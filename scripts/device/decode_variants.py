@@ -68,8 +68,8 @@ VARIANTS = [
     ("default, bf16 dots", {"dots": "bf16"}),
     ("default, bf16 dots, block_n 128", {"dots": "bf16", "block_n": 128}),
     # scales folded into the logits and weights, fp16 dots over the codes unpacked by inline PTX, transposed so
-    # that the GQA group fills the MMA's 8-wide side (sm_90 per 64-token block: 767 instructions with triton 3.8,
-    # 660 with 3.6, against the default's 959 and 1797; fewer warps issue fewer per token: 2 warps 858 / 805:
+    # that the GQA group fills the MMA's 8-wide side (sm_90 per 64-token block: 684 instructions with triton 3.8,
+    # 660 with 3.6, against the default's 959 and 1797; fewer warps issue fewer per token: 2 warps 838 / 805:
     # `python -m oscar_sglang.kernels.compile_check --sass fold`)
     ("default, fold", {"fold": True}),
     ("default, fold, 2 warps", {"fold": True, "num_warps": 2}),
