@@ -135,6 +135,10 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                                                  paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
                                                  rotate_q_in_kernel=in_kernel))
             if d == 128 and kf.bits == 2 and same and g == d:  # the decode loop's variants (decode_variants.py)
+                add(f"decode variant {tag} fold=True num_warps=2 q-rot in kernel", dec, "_decode_split_kernel",
+                    lambda: dec.decode_attention(q.bfloat16(), store, rot, paged.req_to_token,
+                                                 paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
+                                                 rotate_q_in_kernel=True, fold=True, num_warps=2))
                 for opts in DECODE_VARIANTS:
                     add(f"decode variant {tag} " + " ".join(f"{k}={v}" for k, v in opts.items()), dec,
                         "_decode_split_kernel",

@@ -138,6 +138,11 @@ def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(pref
         assert err < 2**-9 * ref.abs().max().item(), (i, err)
         if DEVICE == "cpu":  # the interpreter's fp32 dots are exact to 1e-6: the folded blocks did run
             assert err > 20 * (api.decode_attention(*args, **kw) - ref).abs().max().item(), i
+        if i == prefetch:  # the queries rotated inside the kernel (small grids), bf16 as a server passes them
+            qb = q.bfloat16()
+            out_in = api.decode_attention(qb, *args[1:], fold=True, rotate_q_in_kernel=True, **kw)
+            ref_b = reference.decode_attention(qb, *args[1:], d**-0.5).float()
+            assert (out_in.float() - ref_b).abs().max().item() < 2**-7 * ref_b.abs().max().item(), i
 
 
 def test_decode_fold_is_ignored_where_it_does_not_apply():
