@@ -25,9 +25,9 @@ import triton.language as tl
 
 from oscar_sglang.rotation import rotate_queries
 
-from ..common.triton_helpers import (attend_fetched_block, attend_fetched_block_folded, attend_stored_block, bf16_rne,
-                                     block_slots, fetch_block, folded_sums, load_row_pieces, rotate_rows,
-                                     slot_entries, store_pieces)
+from ..common.triton_helpers import (attend_fetched_block, attend_fetched_block_folded, bf16_rne, block_slots,
+                                     fetch_block, folded_sums, load_row_pieces, rotate_rows, slot_entries,
+                                     store_pieces)
 from ..interpret import interpreted
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 
@@ -92,43 +92,30 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         a3 = tl.zeros([BLOCK_H, D // 4], tl.float32)
     tok_row = req_to_token + req * stride_r2t
     n = tl.arange(0, BLOCK_N)
-    if PREFETCH == 0:  # each block's three dependent loads (slot, hot entry, rows) in turn
-        for n0 in range(start, end, BLOCK_N):
-            t = n0 + n
-            tmask = t < end
-            if FOLD:
-                slot = block_slots(t, tmask, tok_row)
-                entry = slot_entries(slot, tmask, hot_index)
-                kw, ks, kz, vw, vs, vz = fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero,
-                                                     v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
-                                                     K_SYM, V_SYM)
-                m, lt, zt, a0, a1, a2, a3 = attend_fetched_block_folded(
-                    n0, end, tok_row, hot_index, entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                    q0, q1, q2, q3, qsum,
-                    qk_scale, m, lt, zt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D,
-                    K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM, PACKED)
-            else:
-                m, l, a0, a1, a2, a3 = attend_stored_block(
-                    t, tmask, tok_row, hot_index, kvh, KV,
-                    k_codes, k_scale, k_zero, k_hot, v_codes, v_scale, v_zero, v_hot,
-                    q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, K_G, V_BITS, V_G, PREC, K_SYM,
-                    V_SYM, HOT_SKIP)
-    else:
-        # Software pipeline over the dependent loads: block j+2's slots and block j+1's hot entries are loaded
-        # while block j is computed (PREFETCH 1: its rows loaded then); PREFETCH 2: also block j+1's rows, and
-        # block j+3's slots, j+2's entries.  Loads past ``end`` are masked off.
-        LEAD: tl.constexpr = PREFETCH + 1  # blocks ahead whose slots are loaded
+    # PREFETCH 0: each block's three dependent loads (slot, hot entry, rows) in turn.  Else a software pipeline
+    # over them: block j+2's slots and block j+1's hot entries are loaded while block j is computed (PREFETCH 1:
+    # its rows loaded then); PREFETCH 2: also block j+1's rows, and block j+3's slots, j+2's entries.  Loads past
+    # ``end`` are masked off.
+    LEAD: tl.constexpr = PREFETCH + 1  # blocks ahead whose slots are loaded
+    if PREFETCH > 0:
         s0 = block_slots(start + n, start + n < end, tok_row)
         e0 = slot_entries(s0, start + n < end, hot_index)
         s1 = block_slots(start + BLOCK_N + n, start + BLOCK_N + n < end, tok_row)
-        if PREFETCH == 2:
-            e1 = slot_entries(s1, start + BLOCK_N + n < end, hot_index)
-            s2 = block_slots(start + 2 * BLOCK_N + n, start + 2 * BLOCK_N + n < end, tok_row)
-            kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, start + n < end, kvh, KV, k_codes, k_scale, k_zero,
-                                                 v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
-        for n0 in range(start, end, BLOCK_N):
-            t = n0 + n
-            tmask = t < end
+    if PREFETCH == 2:
+        e1 = slot_entries(s1, start + BLOCK_N + n < end, hot_index)
+        s2 = block_slots(start + 2 * BLOCK_N + n, start + 2 * BLOCK_N + n < end, tok_row)
+        kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, start + n < end, kvh, KV, k_codes, k_scale, k_zero,
+                                             v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + n
+        tmask = t < end
+        if PREFETCH == 0:
+            s0 = block_slots(t, tmask, tok_row)
+            e0 = slot_entries(s0, tmask, hot_index)
+            kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
+                                                 v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
+                                                 K_SYM, V_SYM)
+        else:
             t_lead = n0 + LEAD * BLOCK_N + n
             s_lead = block_slots(t_lead, t_lead < end, tok_row)
             if PREFETCH == 2:  # block j+2's entries, block j+1's rows (block j's were fetched the turn before)
@@ -142,23 +129,22 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
                                                      v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
                                                      K_SYM, V_SYM)
-            if FOLD:
-                m, lt, zt, a0, a1, a2, a3 = attend_fetched_block_folded(
-                    n0, end, tok_row, hot_index, e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                    q0, q1, q2, q3, qsum,
-                    qk_scale, m, lt, zt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D,
-                    K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM, PACKED)
-            else:
-                m, l, a0, a1, a2, a3 = attend_fetched_block(
-                    e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                    q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
-            if PREFETCH == 2:
-                kw, ks, kz, vw, vs, vz = nkw, nks, nkz, nvw, nvs, nvz
-                e0, e1 = e1, e2
-                s1, s2 = s2, s_lead
-            else:
-                s0, e0 = s1, e1
-                s1 = s_lead
+        if FOLD:
+            m, lt, zt, a0, a1, a2, a3 = attend_fetched_block_folded(
+                n0, end, tok_row, hot_index, e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                q0, q1, q2, q3, qsum, qk_scale, m, lt, zt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes,
+                v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM, PACKED)
+        else:
+            m, l, a0, a1, a2, a3 = attend_fetched_block(
+                e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
+                q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
+        if PREFETCH == 2:
+            kw, ks, kz, vw, vs, vz = nkw, nks, nkz, nvw, nvs, nvz
+            e0, e1 = e1, e2
+            s0, s1, s2 = s1, s2, s_lead
+        elif PREFETCH == 1:
+            s0, e0 = s1, e1
+            s1 = s_lead
     if FOLD:
         l, a0, a1, a2, a3 = folded_sums(lt, zt, a0, a1, a2, a3)
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
