@@ -134,6 +134,11 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                     lambda: dec.decode_attention(q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,
                                                  paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
                                                  rotate_q_in_kernel=in_kernel))
+            if d == 64 and kf.bits == 2 and same and g == d:  # the folded loop at head size 64 (SmolLM2)
+                add(f"decode variant {tag} fold=True num_warps=2", dec, "_decode_split_kernel",
+                    lambda: dec.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices,
+                                                 paged.seq_lens, 0.1, num_splits=4, rotate_q_in_kernel=False,
+                                                 fold=True, num_warps=2))
             if d == 128 and kf.bits == 2 and same and g == d:  # the decode loop's variants (decode_variants.py)
                 add(f"decode variant {tag} fold=True num_warps=2 q-rot in kernel", dec, "_decode_split_kernel",
                     lambda: dec.decode_attention(q.bfloat16(), store, rot, paged.req_to_token,

@@ -292,6 +292,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
         K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
         PREFETCH=prefetch, FOLD=fold,
-        PACKED=not interpreted(_decode_split_kernel), num_warps=num_warps, num_stages=num_stages,
+        PACKED=not interpreted(_decode_split_kernel) and torch.version.hip is None,  # inline PTX: NVIDIA only
+        num_warps=num_warps, num_stages=num_stages,
     )
     return merge_splits(mid_o, mid_lse, rot.v_rot, q.dtype)
