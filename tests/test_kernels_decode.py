@@ -153,6 +153,8 @@ def test_decode_fold_is_ignored_where_it_does_not_apply():
         args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
         kw = dict(backend="triton", num_splits=2, block_n=16, hot_skip=hot_skip)
         assert torch.equal(api.decode_attention(*args, fold=True, **kw), api.decode_attention(*args, **kw))
+    with pytest.raises(ValueError, match="block_n"):  # where it applies (the last rows: one group), parts of 16 rows
+        api.decode_attention(*args, backend="triton", fold=True, block_n=8)
 
 
 def test_decode_split_count_does_not_change_the_result():

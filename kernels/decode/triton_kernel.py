@@ -282,6 +282,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     else:
         q_in = q if q.stride(-1) == 1 else q.contiguous()
     fold = bool(fold and hot_skip and kf.group_for(d) == d and vf.group_for(d) == d)
+    if fold and block_n % 16:  # the fp16 dots over a block's tokens, and the hot parts of 16 rows
+        raise ValueError(f"fold needs block_n a multiple of 16, got {block_n}")
     mid_o = torch.empty(bsz, q_heads, splits, d, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(bsz, q_heads, splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, kv, splits)](
