@@ -394,7 +394,7 @@ def attend_fetched_block_folded(n0, end, tok_row_ptr, hot_index, entry, tmask, k
             x0, x1, x2, x3 = dequant_rows(hkw, hks, hkz, k_hot, ent * KV + kvh, hm, D, K_BITS, False)
             y0, y1, y2, y3 = dequant_rows(hvw, hvs, hvz, v_hot, ent * KV + kvh, hm, D, V_BITS, False)
             m, part_alpha, part_p, o0, o1, o2, o3 = attend_affine_t(
-                x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16), one, one * 0.0,
+                x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16), one, tl.zeros_like(one),
                 y0.to(tl.float16), y1.to(tl.float16), y2.to(tl.float16), y3.to(tl.float16), one,
                 qt0, qt1, qt2, qt3, qsum, tm[:, None], qk_scale, m, o0, o1, o2, o3)
             lt = lt * part_alpha + tl.where(first, tl.sum(part_p, 0)[None, :], 0.0)

@@ -83,9 +83,6 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         a2 = tl.zeros([D // 4, BLOCK_H], tl.float32)
         a3 = tl.zeros([D // 4, BLOCK_H], tl.float32)
     else:
-        qsum = tl.zeros([BLOCK_H], tl.float32)
-        lt = tl.zeros([1, 1], tl.float32)
-        zt = tl.zeros([1, 1], tl.float32)
         a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)
         a1 = tl.zeros([BLOCK_H, D // 4], tl.float32)
         a2 = tl.zeros([BLOCK_H, D // 4], tl.float32)
@@ -257,8 +254,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     into the logits and the softmax weights (``common/triton_helpers.attend_fetched_block_folded``: the codes
     unpacked to fp16 two per instruction by inline PTX on a GPU, transposed fp16 dots so that the GQA group
     fills the MMA's 8-wide side, blocks with a hot row dequantized 16 rows at a time); for formats of one
-    group per row, with ``hot_skip`` (else ignored); the rotated queries must fit fp16's range (|x| < 65504;
-    a model's are tens at most).  A variant for the GPU to time (scripts/device/decode_variants.py): compiled
+    group per row, with ``hot_skip`` (else ignored); the rotated queries and the hot rows' BF16 copies must
+    fit fp16's range (|x| < 65504; a model's are tens, rarely hundreds).  A variant for the GPU to time (scripts/device/decode_variants.py): compiled
     for sm_90 (kernels/compile_check.py --sass) it issues 41 warp-instructions per token with triton 3.6 (the
     default 112) and 43 with 3.8 (the default 60); 25 and 26 with ``num_warps=2``.
     """
