@@ -117,8 +117,8 @@ def test_decode_with_bf16_dots_is_within_bf16_rounding_of_the_reference():
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(prefetch):
     """``fold=True``: blocks without a hot row attended over the codes (fp16, exact) with each row's scale and
-    zero folded into the logits and weights; blocks with one dequantized as before, 16 rows at a time.  Formats of one
-    group per row (INT2, INT4 and INT8 keys, symmetric keys), hot windows or none, GQA 1 to 8."""
+    zero folded into the logits and weights; blocks with one dequantized as before, 16 rows at a time.  Formats
+    of one group per row (INT2, INT4 and INT8 keys, symmetric keys), hot windows or none, GQA 1 to 8."""
     lens = [0, 1, 17, 50, 70, 33]
     cases = [(64, 16, True, 4, FORMATS[0]), (128, 1, True, 3, FORMATS[3]), (64, 1, False, 1, FORMATS[5]),
              (128, 16, True, 8, FORMATS[7])]

@@ -255,9 +255,10 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     unpacked to fp16 two per instruction by inline PTX on a GPU, transposed fp16 dots so that the GQA group
     fills the MMA's 8-wide side, blocks with a hot row dequantized 16 rows at a time); for formats of one
     group per row, with ``hot_skip`` (else ignored); the rotated queries and the hot rows' BF16 copies must
-    fit fp16's range (|x| < 65504; a model's are tens, rarely hundreds).  A variant for the GPU to time (scripts/device/decode_variants.py): compiled
-    for sm_90 (kernels/compile_check.py --sass) it issues 41 warp-instructions per token with triton 3.6 (the
-    default 112) and 43 with 3.8 (the default 60); 25 and 26 with ``num_warps=2``.
+    fit fp16's range (|x| < 65504; a model's are tens, rarely hundreds).  A variant for the GPU to time
+    (scripts/device/decode_variants.py): compiled for sm_90 (kernels/compile_check.py --sass) it issues 41
+    warp-instructions per token with triton 3.6 (the default 112) and 43 with 3.8 (the default 60); 25 and 26
+    with ``num_warps=2``.
     """
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")
