@@ -134,22 +134,17 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                     lambda: dec.decode_attention(q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,
                                                  paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
                                                  rotate_q_in_kernel=in_kernel))
-            if d == 64 and kf.bits == 2 and same and g == d:  # the folded loop at head size 64 (SmolLM2)
-                add(f"decode variant {tag} fold=True num_warps=2", dec, "_decode_split_kernel",
-                    lambda: dec.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices,
-                                                 paged.seq_lens, 0.1, num_splits=4, rotate_q_in_kernel=False,
-                                                 fold=True, num_warps=2))
-            if d == 128 and kf.bits == 2 and same and g == d:  # the decode loop's variants (decode_variants.py)
-                add(f"decode variant {tag} fold=True num_warps=2 q-rot in kernel", dec, "_decode_split_kernel",
-                    lambda: dec.decode_attention(q.bfloat16(), store, rot, paged.req_to_token,
-                                                 paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
-                                                 rotate_q_in_kernel=True, fold=True, num_warps=2))
-                for opts in DECODE_VARIANTS:
+            if kf.bits == 2 and same and g == d:  # the decode loop's variants (decode_variants.py) at d 128;
+                fold2 = {"fold": True, "num_warps": 2}  # at d 64 (SmolLM2) the 2-warp folded loop
+                variants = (*DECODE_VARIANTS, {**fold2, "rotate_q_in_kernel": True}) if d == 128 else (fold2,)
+                for opts in variants:
+                    in_kernel = opts.get("rotate_q_in_kernel", False)  # bf16 queries, as a server passes them
                     add(f"decode variant {tag} " + " ".join(f"{k}={v}" for k, v in opts.items()), dec,
                         "_decode_split_kernel",
-                        lambda opts=opts: dec.decode_attention(q, store, rot, paged.req_to_token,
-                                                               paged.req_pool_indices, paged.seq_lens, 0.1,
-                                                               num_splits=4, rotate_q_in_kernel=False, **opts))
+                        lambda opts=opts, in_kernel=in_kernel: dec.decode_attention(
+                            q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,
+                            paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
+                            **{"rotate_q_in_kernel": False, **opts}))
         qe = torch.randn(4, kv * gqa, d)
         for dots in ext.DOT_CHOICES:
             add(f"extend {tag} {dots} dots", ext, "_extend_kernel",
