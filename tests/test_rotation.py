@@ -87,6 +87,21 @@ def test_rotate_derotate_identity(q_heads, kv_heads):
     assert torch.allclose(rot.derotate_output(rotated, r), o, atol=1e-5)
 
 
+@pytest.mark.parametrize("lead", [(), (0,), (7,), (2, 3)])
+def test_grouped_rotations_match_each_heads_own_matrix(lead):
+    # rotate_queries / derotate_output against the per-head gather they avoid, for any leading shape.
+    q_heads, kv_heads, d = 6, 2, 16
+    torch.manual_seed(1)
+    r = _stacked_rotations(kv_heads, d, 21).double()
+    x = torch.randn(*lead, q_heads, d, dtype=torch.float64)
+    per_head = r[rot.group_index(q_heads, kv_heads)]  # [q_heads, d, d]
+    want = torch.einsum("...hd,hde->...he", x, per_head)
+    want_t = torch.einsum("...he,hde->...hd", x, per_head)
+    got, got_t = rot.rotate_queries(x, r), rot.derotate_output(x, r)
+    assert got.shape == got_t.shape == x.shape and got.is_contiguous() and got_t.is_contiguous()
+    assert torch.allclose(got, want, atol=1e-12) and torch.allclose(got_t, want_t, atol=1e-12)
+
+
 def _attention(q, k, v):
     """Plain GQA softmax attention: q[n, H, d], k/v[t, G, d] -> [n, H, d]."""
     rep = q.shape[1] // k.shape[1]
