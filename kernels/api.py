@@ -44,6 +44,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
     _op("write", backend, k.device).write_kv(k, v, slots, store, rot, hot_loc)
 
 
+def read_rows(store: LayerStore, slots: torch.Tensor, dtype: torch.dtype, *,
+              backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated ``k', v' [n, kv_heads, d]`` in ``dtype`` at ``slots [n]``: BF16 copies where hot, dequantized
+    elsewhere (the sdpa prefill path's prefix)."""
+    return _op("read", backend, slots.device).read_rows(store, slots, dtype)
+
+
 def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float | None = None,
                      *, backend: str = "auto", **tuning) -> torch.Tensor:

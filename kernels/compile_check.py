@@ -102,6 +102,7 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
     from .decode import triton_kernel as dec
     from .extend import triton_kernel as ext
     from .hot_pass import triton_kernel as hot
+    from .read import triton_kernel as rd
     from .repin import triton_kernel as rep
     from .write import triton_kernel as wr
 
@@ -145,6 +146,8 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                             q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,
                             paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
                             **{"rotate_q_in_kernel": False, **opts}))
+        add(f"read {tag} bf16", rd, "_read_kernel",
+            lambda: rd.read_rows(store, torch.tensor([3, 0, 2, 1]), torch.bfloat16))
         qe = torch.randn(4, kv * gqa, d)
         for dots in ext.DOT_CHOICES:
             add(f"extend {tag} {dots} dots", ext, "_extend_kernel",

@@ -23,6 +23,7 @@ MODULES = (
     "oscar_sglang.kernels.extend.triton_kernel",
     "oscar_sglang.kernels.repin.triton_kernel",
     "oscar_sglang.kernels.hot_pass.triton_kernel",
+    "oscar_sglang.kernels.read.triton_kernel",
 )
 
 

@@ -135,9 +135,9 @@ class DeviceRotation:
         _expect("v_clip", self.v_clip, (h,), torch.float32)
 
 
-def require_contiguous(store: LayerStore, rot: DeviceRotation) -> None:
+def require_contiguous(*objs: LayerStore | DeviceRotation) -> None:
     """The Triton kernels index the pool and rotation tensors as dense arrays."""
-    for obj in (store, rot):
+    for obj in objs:
         for name in obj.__dataclass_fields__:
             if not getattr(obj, name).is_contiguous():
                 raise ValueError(f"{name} must be contiguous for the Triton kernels")

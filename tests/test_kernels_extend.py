@@ -207,15 +207,17 @@ def _sdpa_case(d, gqa, page, hot, formats, dtype):
             torch.tensor(SDPA_PREFIX, device=DEVICE), ext, d**-0.5, start)
 
 
+@pytest.mark.parametrize("read", ["triton", "torch"])
 @pytest.mark.parametrize("kv", ["expanded", "gqa"])
 @pytest.mark.parametrize("mask", ["causal-bias", "booleans"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("d,gqa,page,hot,formats", SDPA_CASES, ids=[_case_id(c) for c in SDPA_CASES])
-def test_sdpa_path_matches_reference(monkeypatch, d, gqa, page, hot, formats, dtype, mask, kv):
+def test_sdpa_path_matches_reference(monkeypatch, d, gqa, page, hot, formats, dtype, mask, kv, read):
     from oscar_sglang.kernels.extend import sdpa
 
     monkeypatch.setattr(sdpa, "CAUSAL_BIAS", mask == "causal-bias")  # the GPU's mask / the CPU's
     monkeypatch.setattr(sdpa, "GQA_NATIVE", kv == "gqa")  # KV heads as they are (flash on a GPU) / expanded
+    monkeypatch.setattr(sdpa, "READ_BACKEND", read)  # the prefix read by the read kernel / in torch
     args = _sdpa_case(d, gqa, page, hot, formats, dtype)
     ref = reference.extend_attention(*args)
     out = api.extend_attention(*args, backend="sdpa", max_extend_len=40, block_rows=16)  # Triton tuning: ignored

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +16,12 @@ from ..layout import DeviceRotation, LayerStore
 def rotated_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, extend_start_loc: torch.Tensor | None, dtype: torch.dtype,
+                     read: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
                      ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per request with new tokens: its rows of ``q`` and, in ``dtype``, the rotated queries ``[ext, q_heads, d]``
     and keys, values ``[pre + ext, kv_heads, d]`` (the cached prefix read from the store, then the new tokens
-    rotated exactly); a host loop over the requests (prefill only)."""
+    rotated exactly); a host loop over the requests (prefill only).  ``read(slots)``: the prefix's rows
+    (default: ``read_rotated`` in fp32, then cast)."""
     n, _, d = q.shape
     kv = rot.k_rot.shape[0]
     if extend_start_loc is None:
@@ -32,7 +34,7 @@ def rotated_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         if ext == 0:
             continue
         rows = slice(first, first + ext)
-        kp, vp = read_rotated(store, req_to_token[req, :pre])
+        kp, vp = (read or (lambda slots: read_rotated(store, slots)))(req_to_token[req, :pre])
         yield rows, qr[rows], torch.cat([kp.to(dtype), kn[rows]]), torch.cat([vp.to(dtype), vn[rows]])
 
 

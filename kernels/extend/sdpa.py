@@ -2,7 +2,8 @@
 
 The Triton kernel (``triton_kernel.py``) reads the INT2 prefix straight from
 the store and dequantizes it in every query block; this path dequantizes each
-request's prefix once (``reference.read_rotated``), rounds the rotated
+request's prefix once (``kernels/read``: one Triton pass straight to the
+16-bit buffer on a GPU, the torch reference elsewhere), rounds the rotated
 queries, keys and values to ``q``'s dtype when it is 16-bit (a server's
 bf16; fp32 inputs stay fp32) and runs ``scaled_dot_product_attention``
 over prefix + new tokens with the lower-right causal mask, which torch serves with its flash
@@ -35,6 +36,9 @@ CAUSAL_BIAS: bool | None = None
 # KV heads as they are (enable_gqa) where torch's flash kernel takes them, else expanded (None); True / False:
 # either everywhere (tests).
 GQA_NATIVE: bool | None = None
+# How the prefix is read (kernels/read): "auto" (the Triton read kernel on CUDA, torch elsewhere), "torch" or
+# "triton" (tests: the kernel under the interpreter on CPU).
+READ_BACKEND = "auto"
 
 
 def lower_right_causal(ext: int, total: int, device: torch.device):
@@ -70,15 +74,20 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
                      extend_lens: torch.Tensor, sm_scale: float,
                      extend_start_loc: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`oscar_sglang.kernels.extend.reference.extend_attention` with 16-bit operands through SDPA."""
+    from .. import api
+
     n, q_heads, d = q.shape
     work = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     out = torch.zeros(n, q_heads, d, dtype=work, device=q.device)
+
+    def read(slots):
+        return api.read_rows(store, slots, work, backend=READ_BACKEND)
 
     def heads(x):  # [tokens, heads, d] -> [1, heads, tokens, d]
         return x.transpose(0, 1).unsqueeze(0)
 
     for rows, qr, keys, vals in rotated_requests(q, k, v, store, rot, req_to_token, req_pool_indices, prefix_lens,
-                                                 extend_lens, extend_start_loc, work):
+                                                 extend_lens, extend_start_loc, work, read):
         ext, total = qr.shape[0], keys.shape[0]
         q4, k4, v4 = heads(qr), heads(keys), heads(vals)
         gqa = False
