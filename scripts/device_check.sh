@@ -16,9 +16,10 @@
 #   kernel_tests   every Triton kernel (write, decode, extend) natively against its torch reference
 #                  and the hot pool's update (its reference; recorded in a CUDA graph, replayed), and the
 #                  INT2 backend's whole decode step recorded in real CUDA graphs vs eager (needs the install)
-#   prefill_probe  the INT2 prefill's two paths on the last chunk of a 32k prompt: the sdpa path, if at least
-#                  1.2x as fast as the Triton kernel, becomes the INT2 server's (OSCAR_SGLANG_EXTEND_KERNEL=sdpa,
-#                  scripts/device/prefill_probe.py); not when the knob is set
+#   prefill_probe  the INT2 prefill's two paths on the last chunk of a 32k prompt: the sdpa path (the default
+#                  on a GPU) stays the INT2 server's unless the Triton kernel is at least 1.2x as fast
+#                  (OSCAR_SGLANG_EXTEND_KERNEL=sdpa or =kernel, scripts/device/prefill_probe.py); not when the
+#                  knob is set
 #   servers        the real SGLang servers, BF16 (triton backend, CUDA graphs) vs oscar-int2, dummy weights
 #                  of Llama-3-8B geometry, same KV budget: capacity, then sglang.bench_serving at 32k
 #                  input, concurrency 1 and the largest each capacity allows: output and decode tok/s, TTFT,
@@ -128,6 +129,10 @@ probe_prefill() {  # time limit (s)
     if [ "$GPU" = 1 ] && grep -qx 'choice=sdpa' "$RES/prefill_probe.log" 2>/dev/null; then
         export OSCAR_SGLANG_EXTEND_KERNEL=sdpa
         echo "== the INT2 server prefills through the sdpa path (OSCAR_SGLANG_EXTEND_KERNEL=sdpa: prefill_probe)" \
+            | tee -a "$RES/summary.txt"
+    elif [ "$GPU" = 1 ] && grep -qx 'choice=kernel' "$RES/prefill_probe.log" 2>/dev/null; then
+        export OSCAR_SGLANG_EXTEND_KERNEL=kernel
+        echo "== the INT2 server prefills with the Triton extend kernel (OSCAR_SGLANG_EXTEND_KERNEL=kernel: prefill_probe)" \
             | tee -a "$RES/summary.txt"
     fi
     return 0

@@ -223,19 +223,19 @@ def test_a_missing_int2_wave_is_sized_for_a_rerun_from_the_first_runs_own_number
     line = goals.rerun_line(serve)
     assert "INT2's 32k wave (x26) is missing" in line and "needs ~97 s, which fits the ~115 s" in line
     assert line.rstrip().endswith(
-        'DEVICE_LIMIT_S=160 OSCAR_SGLANG_EXTEND_KERNEL=dots=bf16 SERVE_ARGS="--input-lens 32768 --largest-only '
+        'DEVICE_LIMIT_S=160 OSCAR_SGLANG_EXTEND_KERNEL=sdpa SERVE_ARGS="--input-lens 32768 --largest-only '
         '--cuda-graph-max-bs 26" ONLY=servers SERVE_CACHES=oscar-int2 bash scripts/device_check.sh')
     # the first run's knobs and remedies go with it, so it starts once (serve_bench --remedies)
-    int2.update(knobs={"OSCAR_SGLANG_EXTEND_KERNEL": "sdpa"}, remedies=["jit", "eager"])
+    int2.update(knobs={"OSCAR_SGLANG_EXTEND_KERNEL": "kernel"}, remedies=["jit", "eager"])
     line = goals.rerun_line(serve)
     assert "started in 55 s (with remedies jit, eager)" in line and "needs ~97 s" in line
-    assert line.rstrip().endswith('DEVICE_LIMIT_S=160 OSCAR_SGLANG_EXTEND_KERNEL=sdpa SERVE_ARGS="--input-lens 32768 '
+    assert line.rstrip().endswith('DEVICE_LIMIT_S=160 OSCAR_SGLANG_EXTEND_KERNEL=kernel SERVE_ARGS="--input-lens 32768 '
                                   '--largest-only --cuda-graph-max-bs 26 --remedies jit eager" ONLY=servers '
                                   'SERVE_CACHES=oscar-int2 bash scripts/device_check.sh')
     # the hot update's remedy travels as its knob
     int2.update(knobs={"OSCAR_SGLANG_GRAPH_HOT_UPDATE": "eager"}, remedies=["hot-eager"])
     line = goals.rerun_line(serve)
-    assert ('OSCAR_SGLANG_EXTEND_KERNEL=dots=bf16 OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager SERVE_ARGS="--input-lens 32768 '
+    assert ('OSCAR_SGLANG_EXTEND_KERNEL=sdpa OSCAR_SGLANG_GRAPH_HOT_UPDATE=eager SERVE_ARGS="--input-lens 32768 '
             '--largest-only --cuda-graph-max-bs 26" ONLY=servers') in line
     # a slower prefill: 26 x 3 s no longer fits
     int2["runs"][0]["median_ttft_ms"] = 3000.0

@@ -117,7 +117,7 @@ def test_a_missed_itl_goal_with_a_clearly_faster_decode_tile_reruns_int2_with_it
     res = _run(tmp_path / "a", WHOLE, bf16=BF16, int2=int2, kernels=kernels)
     command, why = next_rerun.advise(res)
     assert command == ('DEVICE_LIMIT_S=160 OSCAR_SGLANG_DECODE_KERNEL=block_n=64,num_warps=8,num_stages=2 '
-                       'OSCAR_SGLANG_EXTEND_KERNEL=dots=bf16 SERVE_ARGS="--input-lens 32768" ONLY=servers '
+                       'OSCAR_SGLANG_EXTEND_KERNEL=sdpa SERVE_ARGS="--input-lens 32768" ONLY=servers '
                        'SERVE_CACHES=oscar-int2 bash scripts/device_check.sh')
     assert "batch-1 median ITL" in why and "1.25x" in why
     # the first run's server needed its graphs off: the rerun starts so

@@ -53,9 +53,21 @@ def test_extend_kernel_knob():
             st.extend_kernel_options({st.ENV_EXTEND_KERNEL: bad})
     # the other path: the prefix dequantized, then torch SDPA (kernels.api.extend_attention(backend="sdpa"))
     assert st.extend_kernel_options({st.ENV_EXTEND_KERNEL: " sdpa"}) == {"backend": "sdpa"}
-    for bad in ("sdpa,dots=tf32", "SDPA", "backend=sdpa"):
-        with pytest.raises(st.OscarConfigError, match="; or sdpa$"):
+    assert st.extend_kernel_options({st.ENV_EXTEND_KERNEL: "kernel "}) == {"backend": "kernel"}
+    for bad in ("sdpa,dots=tf32", "SDPA", "backend=sdpa", "kernel,dots=tf32"):
+        with pytest.raises(st.OscarConfigError, match="; or sdpa, or kernel$"):
             st.extend_kernel_options({st.ENV_EXTEND_KERNEL: bad})
+
+
+def test_extend_path_is_sdpa_on_cuda_unless_the_knob_asks_for_the_kernel():
+    env = st.ENV_EXTEND_KERNEL
+    assert st.extend_path("cuda", {}) == ("sdpa", {})                        # the default on a GPU
+    assert st.extend_path("cpu", {}) == (None, {})                           # the pool's kernels (torch on CPU)
+    assert st.extend_path("cpu", {env: "sdpa"}) == ("sdpa", {})
+    assert st.extend_path("cuda", {env: "kernel"}) == (None, {})             # the Triton kernel, its defaults
+    assert st.extend_path("cuda", {env: "dots=tf32,block_n=64"}) == (None, {"dots": "tf32", "block_n": 64})
+    with pytest.raises(st.OscarConfigError):
+        st.extend_path("cuda", {env: "flash"})
 
 
 def test_decode_kernel_knob():

@@ -76,7 +76,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from oscar_sglang.kernels import api as kernels
 
 from .pool import OscarInt2Pool
-from .settings import decode_kernel_options, extend_kernel_options, graph_hot_update
+from .settings import decode_kernel_options, extend_path, graph_hot_update
 
 
 _EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -123,8 +123,8 @@ class OscarInt2AttnBackend(AttentionBackend):
         self._graph_rows: torch.Tensor | None = None      # 0..max_bs-1: the rows of that copy
         self._graph_splits: dict[int, int | None] = {}
         self._hot_in_graph = True                           # the hot pool's update recorded in the graphs
-        self._extend_options = extend_kernel_options()      # OSCAR_SGLANG_EXTEND_KERNEL: tile and dots, if set
-        self._extend_backend = self._extend_options.pop("backend", None)   # "sdpa" (the same knob), if set
+        # OSCAR_SGLANG_EXTEND_KERNEL: "sdpa" (the default on CUDA), or the kernel with its tile and dots
+        self._extend_backend, self._extend_options = extend_path(torch.device(self.device).type)
         self._decode_options = decode_kernel_options()      # OSCAR_SGLANG_DECODE_KERNEL: tile, if set
         if self._extend_backend or self._extend_options or self._decode_options:
             logger.info("oscar_int2 attention: extend %s; decode %s",

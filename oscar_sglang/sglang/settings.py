@@ -34,13 +34,16 @@ ENV_KV_BUDGET = "OSCAR_SGLANG_KV_BUDGET_BYTES"
 ENV_GRAPH_HOT_UPDATE = "OSCAR_SGLANG_GRAPH_HOT_UPDATE"
 GRAPH_HOT_UPDATES = ("graph", "eager")
 
-# The prefill (extend) kernel's tile and dots, e.g. "block_rows=128,block_n=64"
-# or "dots=tf32", or "sdpa" (the prefix dequantized, then torch's SDPA: flash
-# attention on a GPU, kernels/extend/sdpa.py): what the kernel benchmark's
-# prefill section found faster on a GPU, tried on the real server without a
-# code change (a rerun on a lent machine); unset = the Triton kernel's defaults.
+# The prefill (extend) path: "sdpa" (the prefix dequantized, then torch's SDPA:
+# flash attention on a GPU, kernels/extend/sdpa.py; the default on a GPU since
+# 2026-12-05), "kernel" (the Triton extend kernel with its defaults), or that
+# kernel's tile and dots, e.g. "block_rows=128,block_n=64" or "dots=tf32": what
+# the kernel benchmark's prefill section found faster on a GPU, tried on the
+# real server without a code change (a rerun on a lent machine).  Unset: sdpa on
+# CUDA, the pool's kernels elsewhere (the torch reference on CPU).
 ENV_EXTEND_KERNEL = "OSCAR_SGLANG_EXTEND_KERNEL"
 EXTEND_SDPA = "sdpa"
+EXTEND_TRITON = "kernel"
 EXTEND_INT_KEYS = ("block_rows", "block_n", "num_warps", "num_stages")
 EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (not imported: no Triton here; a test pins them)
 # The decode kernel's tile, e.g. "block_n=64,num_warps=8": what the kernel
@@ -184,10 +187,26 @@ def graph_hot_update(environ=os.environ) -> str:
 
 def extend_kernel_options(environ=os.environ) -> dict:
     """Keyword arguments for the Triton extend kernel from :data:`ENV_EXTEND_KERNEL` (``{}`` when unset), or
-    ``{"backend": "sdpa"}`` for :data:`EXTEND_SDPA` (``kernels.api.extend_attention``'s SDPA path)."""
-    if environ.get(ENV_EXTEND_KERNEL, "").strip() == EXTEND_SDPA:
-        return {"backend": EXTEND_SDPA}
+    ``{"backend": "sdpa"}`` for :data:`EXTEND_SDPA` (``kernels.api.extend_attention``'s SDPA path), or
+    ``{"backend": "kernel"}`` for :data:`EXTEND_TRITON` (the kernel with its defaults)."""
+    value = environ.get(ENV_EXTEND_KERNEL, "").strip()
+    if value in (EXTEND_SDPA, EXTEND_TRITON):
+        return {"backend": value}
     return _kernel_options(environ, ENV_EXTEND_KERNEL, EXTEND_INT_KEYS, {"dots": EXTEND_DOTS})
+
+
+def extend_path(device_type: str, environ=os.environ) -> tuple[str | None, dict]:
+    """The backend's prefill path on ``device_type``: ``("sdpa", {})`` or ``(None, kernel options)`` (the pool's
+    kernels: Triton on CUDA, the torch reference on CPU).
+
+    Unset knob: the sdpa path on CUDA, since the H200 ran it ~5x as fast as the Triton extend kernel over a
+    32k prompt (docs/GPU.md, run 1); elsewhere the pool's kernels (the interpreter's tests keep the kernel).
+    """
+    options = extend_kernel_options(environ)
+    choice = options.pop("backend", None)
+    if choice is None and not options and device_type == "cuda":
+        choice = EXTEND_SDPA
+    return (EXTEND_SDPA if choice == EXTEND_SDPA else None), options
 
 
 def decode_kernel_options(environ=os.environ) -> dict:
@@ -207,7 +226,7 @@ def _kernel_options(environ, name: str, int_keys: tuple, choices: dict) -> dict:
         if not sep or key not in keys or key in options:
             raise OscarConfigError(f"{name}={value!r}: expected comma-separated KEY=VALUE, each key "
                                    f"once, of {', '.join(keys)}"
-                                   + (f"; or {EXTEND_SDPA}" if name == ENV_EXTEND_KERNEL else ""))
+                                   + (f"; or {EXTEND_SDPA}, or {EXTEND_TRITON}" if name == ENV_EXTEND_KERNEL else ""))
         if key in choices:
             if raw not in choices[key]:
                 raise OscarConfigError(f"{name}: {key}={raw!r}, expected one of {', '.join(choices[key])}")

@@ -199,10 +199,11 @@ EXTEND_KNOB = "OSCAR_SGLANG_EXTEND_KERNEL"
 
 def int2_knobs(serve: dict | None) -> dict[str, str]:
     """The kernel knobs the INT2 server ran with (the prefill probe's choice among them), with the extend knob
-    always set (``dots=bf16``: the kernel's default), so a servers rerun given them skips the prefill probe."""
+    always set (``sdpa``: the server's default on a GPU since 2026-12-05), so a servers rerun given them skips
+    the prefill probe."""
     res = _server(serve, "oscar-int2") or {}
     knobs = dict(res.get("knobs", {}))
-    knobs.setdefault(EXTEND_KNOB, "dots=bf16")
+    knobs.setdefault(EXTEND_KNOB, "sdpa")
     return knobs
 
 

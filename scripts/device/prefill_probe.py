@@ -2,15 +2,16 @@
 
     python scripts/device/prefill_probe.py --out OUT      # prints choice=sdpa or choice=kernel last
 
-The INT2 server prefills a 32k prompt in SGLang's 8k chunks either with the Triton extend kernel (the
-default: the INT2 prefix dequantized in every query block) or through ``kernels/extend/sdpa.py``
-(``OSCAR_SGLANG_EXTEND_KERNEL=sdpa``: the prefix dequantized once, then torch's flash attention). Which
-is faster is a property of the GPU, and its 32k waves are mostly prefill, so the first GPU run should
-not find it out only after the servers step (the kernel benchmark's prefill section runs after it). This
-times both on the chunk that costs the most, the last one of a 32k prompt (24k cached tokens + 8k new;
-8 KV heads, GQA 4:1, d 128: the servers' model), checks that they agree, and chooses ``sdpa`` when it is
-at least ``SDPA_GAIN`` times as fast. ``scripts/device_check.sh`` then exports the knob for the servers
-step, whose report names it in every INT2 row's note. Writes ``OUT/prefill_probe.json``.
+The INT2 server prefills a 32k prompt in SGLang's 8k chunks either through ``kernels/extend/sdpa.py`` (the
+default on a GPU since 2026-12-05: the prefix dequantized once, then torch's flash attention) or with the
+Triton extend kernel (``OSCAR_SGLANG_EXTEND_KERNEL=kernel``: the INT2 prefix dequantized in every query
+block). Which is faster is a property of the GPU, and its 32k waves are mostly prefill, so the GPU run
+should not find it out only after the servers step (the kernel benchmark's prefill section runs after it).
+This times both on the chunk that costs the most, the last one of a 32k prompt (24k cached tokens + 8k new;
+8 KV heads, GQA 4:1, d 128: the servers' model), checks that they agree, and keeps the default (``sdpa``)
+unless the kernel is at least ``KERNEL_GAIN`` times as fast. ``scripts/device_check.sh`` then exports the
+choice as the knob for the servers step, whose report names it in every INT2 row's note. Writes
+``OUT/prefill_probe.json``.
 
 Without CUDA (the dry run) the same on tiny shapes through Triton's interpreter, and the choice is always
 ``kernel``: interpreter timings say nothing about a GPU.
@@ -25,21 +26,24 @@ import sys
 import time
 from pathlib import Path
 
-SDPA_GAIN = 1.2  # the sdpa path must be this much faster: a server restart's worth of noise margin
+KERNEL_GAIN = 1.2  # the kernel must be this much faster to replace the default: a restart's worth of noise
 
 
 def choose(kernel_ms: float | None, sdpa_ms: float | None, rel_err: float | None, tol: float, cuda: bool) -> tuple:
-    """(choice, why): "sdpa" only on a GPU, both timed, agreeing within ``tol``, and at least SDPA_GAIN x faster."""
+    """(choice, why): the default ``"sdpa"`` on a GPU unless the kernel, both timed and agreeing within ``tol``,
+    is at least KERNEL_GAIN x as fast, or the sdpa path failed; ``"kernel"`` without CUDA (never taken there)."""
     if not cuda:
         return "kernel", "no CUDA: the interpreter's timings say nothing about a GPU"
-    if kernel_ms is None or sdpa_ms is None:
-        return "kernel", "a path was not timed"
+    if sdpa_ms is None:
+        return "kernel", "the sdpa path was not timed"
+    if kernel_ms is None:
+        return "sdpa", "the kernel was not timed"
     if rel_err is None or rel_err > tol:
-        return "kernel", f"the paths disagree (max relative difference {rel_err}, tolerance {tol})"
-    gain = kernel_ms / sdpa_ms
-    if gain >= SDPA_GAIN:
-        return "sdpa", f"the sdpa path is {gain:.2f}x as fast (>= {SDPA_GAIN})"
-    return "kernel", f"the sdpa path is {gain:.2f}x as fast (< {SDPA_GAIN})"
+        return "sdpa", f"the paths disagree (max relative difference {rel_err}, tolerance {tol}): the default kept"
+    gain = sdpa_ms / kernel_ms
+    if gain >= KERNEL_GAIN:
+        return "kernel", f"the Triton kernel is {gain:.2f}x as fast (>= {KERNEL_GAIN})"
+    return "sdpa", f"the sdpa path is {kernel_ms / sdpa_ms:.2f}x as fast (the kernel would need {KERNEL_GAIN}x its speed)"
 
 
 def main(argv=None) -> int:
