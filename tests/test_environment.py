@@ -45,6 +45,23 @@ def test_no_generic_top_level_modules_installed():
     assert spec is None or "oscar" not in str(spec.origin)
 
 
+def test_every_package_folder_is_listed_for_a_wheel():
+    # pyproject lists the packages (kernels/ mapped under oscar_sglang): a folder missing there is missing from
+    # a non-editable install, the GPU bundle's wheel among them, though every editable test passes.
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = {name: root / folder for name, folder in cfg["package-dir"].items()}
+    folders = set()
+    for name, top in mapped.items():
+        for init in top.rglob("__init__.py"):
+            rel = init.parent.relative_to(top).parts
+            if "__pycache__" not in rel:
+                folders.add(".".join((name, *rel)))
+    assert folders == set(cfg["packages"])
+
+
 def test_sgl_kernel_standin_raises_clearly_when_called():
     # Only where the stand-in (scripts/sgl_kernel_standin) is installed; tests/test_sgl_kernel_standin.py
     # checks what it implements.
