@@ -1,7 +1,9 @@
 """Write kernel: rotate, clip, quantize and scatter new K/V rows in one launch per layer.
 
-Grid ``(cdiv(n, BLOCK_T), kv_heads)``; a program takes ``BLOCK_T`` tokens of
-one KV head, computes ``x' = (x - mu) R`` piece by piece with fp32 (IEEE)
+Grid ``(cdiv(n, BLOCK_T), kv_heads, 2)``; a program takes ``BLOCK_T`` tokens of
+one KV head, their keys or their values (the third axis: a decode step's few
+tokens are two rotations in parallel, not one after the other; since
+2026-12-05), computes ``x' = (x - mu) R`` piece by piece with fp32 (IEEE)
 dots over ``KC`` input channels at a time (small operands, no register
 spills), and writes codes, fp16 scale/zero and, for tokens with a hot entry,
 the BF16 rotated rows.  Nothing intermediate touches global memory.
@@ -135,14 +137,16 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
     row = slot * KV + h
     hot_row = entry * KV + h
     t64 = t.to(tl.int64)
-    x0, x1, x2, x3 = rotate_rows(k_ptr + t64 * stride_kt + h * stride_kh, k_mean + h * D, k_rot + h * D * D, tmask,
-                                 True, BLOCK_T, D, KC)
-    _quantize_store(x0, x1, x2, x3, tl.load(k_clip + h), k_codes, k_scale, k_zero, k_hot,
-                    row, hot_row, tmask, hmask, HAS_HOT, D, K_G, K_BITS, K_SYM)
-    x0, x1, x2, x3 = rotate_rows(v_ptr + t64 * stride_vt + h * stride_vh, k_mean, v_rot + h * D * D, tmask,
-                                 False, BLOCK_T, D, KC)
-    _quantize_store(x0, x1, x2, x3, tl.load(v_clip + h), v_codes, v_scale, v_zero, v_hot,
-                    row, hot_row, tmask, hmask, HAS_HOT, D, V_G, V_BITS, V_SYM)
+    if tl.program_id(2) == 0:  # keys and values in programs of their own: half the serial chain of a few tokens
+        x0, x1, x2, x3 = rotate_rows(k_ptr + t64 * stride_kt + h * stride_kh, k_mean + h * D, k_rot + h * D * D,
+                                     tmask, True, BLOCK_T, D, KC)
+        _quantize_store(x0, x1, x2, x3, tl.load(k_clip + h), k_codes, k_scale, k_zero, k_hot,
+                        row, hot_row, tmask, hmask, HAS_HOT, D, K_G, K_BITS, K_SYM)
+    else:
+        x0, x1, x2, x3 = rotate_rows(v_ptr + t64 * stride_vt + h * stride_vh, k_mean, v_rot + h * D * D, tmask,
+                                     False, BLOCK_T, D, KC)
+        _quantize_store(x0, x1, x2, x3, tl.load(v_clip + h), v_codes, v_scale, v_zero, v_hot,
+                        row, hot_row, tmask, hmask, HAS_HOT, D, V_G, V_BITS, V_SYM)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: DeviceRotation,
@@ -158,7 +162,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "k and v rows must be contiguous"
     assert (problem := triton_unsupported(d, kf, vf)) is None, problem
     assert block_t >= 16, "tl.dot needs at least 16 rows"
-    _write_kernel[(triton.cdiv(n, block_t), kv)](
+    _write_kernel[(triton.cdiv(n, block_t), kv, 2)](
         k, v, slots, hot_loc if hot_loc is not None else slots,
         rot.k_rot, rot.v_rot, rot.k_mean, rot.k_clip, rot.v_clip,
         *store.row_args(), store.k_hot, store.v_hot,
