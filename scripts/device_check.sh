@@ -13,7 +13,7 @@
 #                  (scripts/device/install_bundle.sh), SGLang's torch-fallback environment
 #                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout. Into
 #                  /tmp/oscar-device-site (DEVICE_SITE), which a rerun on the warm machine reuses if nothing changed
-#   kernel_tests   every Triton kernel (write, decode, extend) natively against its torch reference
+#   kernel_tests   every Triton kernel (write, decode, extend, read) natively against its torch reference
 #                  and the hot pool's update (its reference; recorded in a CUDA graph, replayed), and the
 #                  INT2 backend's whole decode step recorded in real CUDA graphs vs eager (needs the install)
 #   prefill_probe  the INT2 prefill's two paths on the last chunk of a 32k prompt: the sdpa path (the default
@@ -186,7 +186,7 @@ kernel_test_paths() {  # what the kernel_tests step runs, one per line; the CUDA
         for t in $KERNEL_TEST_IDS; do echo "$ROOT/tests/$t"; done
         return 0
     fi
-    for t in kernels_write kernels_decode kernels_extend kernels_repin kernels_hot_pass hot_plan; do
+    for t in kernels_write kernels_decode kernels_extend kernels_read kernels_repin kernels_hot_pass hot_plan; do
         echo "$ROOT/tests/test_$t.py"
     done
     [ "$HAVE_SGLANG" = 1 ] && echo "$ROOT/tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode"
