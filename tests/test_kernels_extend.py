@@ -226,6 +226,20 @@ def test_sdpa_path_matches_reference(monkeypatch, d, gqa, page, hot, formats, dt
     assert torch.allclose(out.float(), ref.float(), atol=atol, rtol=rtol), (out.float() - ref.float()).abs().max()
 
 
+def test_sdpa_path_reads_with_the_triton_kernel_only_where_the_triton_kernels_take_the_store(monkeypatch):
+    from oscar_sglang.kernels.extend import sdpa
+
+    def store(d, kf=F(2), vf=F(2)):
+        return layout.empty_store(4, KV, d, None, 1, "cpu", k_format=kf, v_format=vf)
+
+    assert sdpa.read_backend(store(128), "cuda") == sdpa.read_backend(store(64, F(4), F(2, 32)), "cuda") == "triton"
+    assert sdpa.read_backend(store(96), "cuda") == "torch"          # head_dim the Triton kernels refuse
+    assert sdpa.read_backend(store(32), "cuda") == "torch"
+    assert sdpa.read_backend(store(128), "cpu") == "torch"          # a CPU server: the torch reference
+    monkeypatch.setattr(sdpa, "READ_BACKEND", "triton")             # tests: the kernel under the interpreter
+    assert sdpa.read_backend(store(128), "cpu") == "triton"
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="flash attention needs CUDA")
 @pytest.mark.parametrize("kv", ["torch-decides", "expanded", "gqa"])
 def test_sdpa_path_runs_on_flash_attention_on_a_gpu(monkeypatch, kv):

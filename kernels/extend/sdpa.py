@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from oscar_sglang.rotation import derotate_output
 
 from ..common.reference import expand_groups
-from ..layout import DeviceRotation, LayerStore
+from ..layout import DeviceRotation, LayerStore, triton_unsupported
 from .reference import rotated_requests
 
 # torch's lower-right CausalBias (flash attention serves it) on a GPU; the same mask as booleans elsewhere,
@@ -69,6 +69,16 @@ def flash_takes_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return can_use_flash_attention(gqa_params(q, k, v))
 
 
+def read_backend(store: LayerStore, device_type: str) -> str:
+    """How this path reads ``store``'s prefix: :data:`READ_BACKEND` where set; else the Triton read kernel on
+    CUDA for the shapes and formats the Triton kernels take (``triton_unsupported``), the torch reference
+    elsewhere (as the pool's own kernels fall back)."""
+    if READ_BACKEND != "auto":
+        return READ_BACKEND
+    usable = triton_unsupported(store.head_dim, store.k_format, store.v_format) is None
+    return "triton" if device_type == "cuda" and usable else "torch"
+
+
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, sm_scale: float,
@@ -80,8 +90,10 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     work = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     out = torch.zeros(n, q_heads, d, dtype=work, device=q.device)
 
+    backend = read_backend(store, q.device.type)
+
     def read(slots):
-        return api.read_rows(store, slots, work, backend=READ_BACKEND)
+        return api.read_rows(store, slots, work, backend=backend)
 
     def heads(x):  # [tokens, heads, d] -> [1, heads, tokens, d]
         return x.transpose(0, 1).unsqueeze(0)
