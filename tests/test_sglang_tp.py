@@ -107,5 +107,7 @@ def test_each_rank_decodes_exactly_its_query_heads_of_the_full_pool(tp):
         heads = kv_heads_of_rank(KV, tp, rank)
         q_heads = list(range(rank * q_per_rank, (rank + 1) * q_per_rank))
         mine = serve(_pool(full_cfg.for_rank(tp, rank), len(heads)), heads, q_heads)
-        for layer in range(2):
-            assert torch.equal(mine[layer], full[layer][:, q_heads]), (tp, rank, layer)
+        for layer in range(2):  # the same up to bf16 rounding: the rank's query rotation is a matmul of
+            # another shape (its KV heads, not all of them), whose sums may round differently (a wrong head: O(1))
+            torch.testing.assert_close(mine[layer], full[layer][:, q_heads], rtol=2**-7, atol=2**-10,
+                                       msg=lambda m: f"tp {tp} rank {rank} layer {layer}: {m}")
