@@ -34,11 +34,12 @@ import traceback
 
 import torch
 
-from oscar_sglang.kernels import layout, scenario
+from oscar_sglang.kernels import api, layout, scenario
 from oscar_sglang.kernels.compile_check import EXTEND_SWEEP
 from oscar_sglang.kernels.extend import reference as extend_ref
 from oscar_sglang.kernels.extend import sdpa as extend_sdpa
 from oscar_sglang.kernels.extend import triton_kernel as extend_tk
+from oscar_sglang.rotation import derotate_output, rotate_queries
 
 LAYERS = 32                      # Llama-3-8B, the servers' model
 DEFAULT_TILE = {"block_rows": 64, "block_n": 32, "num_warps": 8, "num_stages": 2}  # extend_attention's defaults
@@ -219,6 +220,10 @@ def measure(device, timed, smoke: bool, budget_s: float = 20.0, prompt: int = 32
             f"{k[:-3]} {r[k]:.3f} ms" for k in r if k.endswith("_ms") and r[k] is not None), flush=True)
         last = c
     result["prompt_row"] = _rates(_prompt_sum(result["rows"]))
+    try:  # a diagnosis of the sdpa path, not a table of its own: a failure here is a note
+        result["sdpa_parts"] = sdpa_parts(pb, last, timed)
+    except Exception as e:  # noqa: BLE001
+        result["sdpa_parts"] = {"note": f"failed: {type(e).__name__}: {str(e)[:200]}"}
     for tile in [] if smoke else SWEEP:  # the last chunk (the longest prefix), bf16 dots
         if time.time() - t_start > budget_s:
             result["sweep"].append({**tile, "note": f"section budget {budget_s:g} s spent"})
@@ -230,6 +235,27 @@ def measure(device, timed, smoke: bool, budget_s: float = 20.0, prompt: int = 32
             result["sweep"].append({**tile, "note": f"failed: {type(e).__name__}: {str(e)[:160]}"})
     result["seconds"] = round(time.time() - t_start, 1)
     return result
+
+
+def _broadcast_rotation(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``rotation._grouped`` as it was until 2026-12-05: ``torch.matmul`` over ``[tokens, kv, group, d]`` and
+    ``R [kv, d, d]``, whose broadcast copies ``R`` for every token (timed beside today's, never served)."""
+    n, hq, d = x.shape
+    kv = r.shape[0]
+    return torch.matmul(x.float().reshape(n, kv, hq // kv, d), r).reshape(n, hq, d)
+
+
+def sdpa_parts(pb: _Problem, c: dict, timed) -> dict:
+    """What the sdpa path spends on chunk ``c`` besides its SDPA call: the query rotation and output
+    de-rotation (as served, and as the broadcast matmul of run 1), and the prefix's read (``kernels/read``)."""
+    q, rot = c["q"], pb.rot
+    slots = pb.row[: c["prefix"]]
+    backend = extend_sdpa.read_backend(pb.store, q.device.type)
+    v_rot_t = rot.v_rot.transpose(-1, -2)
+    return {"prefix": c["prefix"], "tokens": c["tokens"], "read_backend": backend,
+            "rotations_ms": timed(lambda: derotate_output(rotate_queries(q, rot.q_rot), rot.v_rot)),
+            "broadcast_rotations_ms": timed(lambda: _broadcast_rotation(_broadcast_rotation(q, rot.q_rot), v_rot_t)),
+            "read_ms": timed(lambda: api.read_rows(pb.store, slots, torch.bfloat16, backend=backend))}
 
 
 KERNELS = ("int2_bf16", "int2_tf32", "int2_sdpa", "sglang", "sdpa")
@@ -296,6 +322,16 @@ def markdown(res: dict | None) -> list[str]:
                                                   if k.endswith(("_vs_fp32", "_vs_sdpa", "_vs_reference")))
               for r in res["rows"]]
     lines += ["", "Agreement (max |a - b| / max |b|): " + "; ".join(checks) + "."]
+    parts = res.get("sdpa_parts") or {}
+    if parts.get("note"):
+        lines += ["", f"Parts of the sdpa path: {parts['note']}"]
+    elif parts:
+        whole = res["rows"][-1].get("int2_sdpa_ms")
+        lines += ["", f"Parts of the sdpa path on the last chunk ({parts['tokens']} tokens over {parts['prefix']} "
+                  f"cached), besides its SDPA call: the query rotation and output de-rotation "
+                  f"{ms(parts['rotations_ms'])} ms (as `torch.matmul`'s broadcast did them until 2026-12-05: "
+                  f"{ms(parts['broadcast_rotations_ms'])} ms); the prefix's read (`kernels/read`, "
+                  f"{parts['read_backend']}) {ms(parts['read_ms'])} ms; the whole path {ms(whole)} ms."]
     notes = [f"- prefix {r['prefix']}: {r[k]}" for r in res["rows"] for k in ("note", "sdpa_note", "int2_sdpa_note")
              if r.get(k)]
     if notes:

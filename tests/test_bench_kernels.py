@@ -205,12 +205,16 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
         assert row["int2_sdpa_ms"] > 0 and 0 < row["int2_sdpa_vs_fp32"] < 3e-2   # the sdpa path, bf16 operands
         assert row["int2_vs_best_bf16"] > 0
     assert ext["prompt_row"]["GFLOP"] == sum(r["GFLOP"] for r in ext["rows"])
+    parts = ext["sdpa_parts"]                            # the sdpa path's rotations (now and as in run 1), read
+    assert (parts["prefix"], parts["tokens"], parts["read_backend"]) == (64, 32, "torch")
+    assert parts["rotations_ms"] > 0 and parts["broadcast_rotations_ms"] > 0 and parts["read_ms"] > 0
     assert ext["sglang_note"] is None
     assert (tmp_path / "bench_kernels_cpu_smoke.png").stat().st_size > 0
     md = (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
     assert "Copy bandwidth" in md and "d=128: ready" in md and "d=64: ready" in md and "INT4-K" in md
     assert "## Where the queries are rotated" in md and "## Hot pool update per decode step" in md
     assert "## Prefill attention per layer" in md and "| all | 96 |" in md
+    assert "Parts of the sdpa path on the last chunk (32 tokens over 64 cached)" in md
     assert data["meta"]["sections_to_come"] == [] and "Written before the sections" not in md  # the final save
     from oscar_sglang.kernels.decode.triton_kernel import rotates_q_in_kernel
 
@@ -243,3 +247,12 @@ def test_prefill_section_renders_missing_kernels_and_failures():
     assert "| 0 | 8 | 2 | 1.000 | 2.000 | 0.700 | n/a | 0.500 |" in md and "| all | 16 | 6 | n/a |" in md
     assert "| 64 | 64 | 8 | 2 | 0.800 |" in md and "| 64 | 32 | 8 | 2 | budget spent |" in md
     assert ext.markdown(None) == []
+
+
+def test_the_broadcast_rotation_timed_as_run_1s_computes_what_is_served():
+    # bench_extend times torch.matmul's broadcast (how the rotations ran until 2026-12-05) beside the einsum.
+    from oscar_sglang.rotation import rotate_queries
+
+    ext = load_script("bench_extend.py")
+    x, r = torch.randn(5, 8, 64), torch.linalg.qr(torch.randn(2, 64, 64))[0]
+    torch.testing.assert_close(ext._broadcast_rotation(x, r), rotate_queries(x, r), rtol=1e-5, atol=1e-5)
