@@ -44,11 +44,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
     _op("write", backend, k.device).write_kv(k, v, slots, store, rot, hot_loc)
 
 
-def read_rows(store: LayerStore, slots: torch.Tensor, dtype: torch.dtype, *,
+def read_rows(store: LayerStore, slots: torch.Tensor, dtype: torch.dtype,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None, *,
               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated ``k', v' [n, kv_heads, d]`` in ``dtype`` at ``slots [n]``: BF16 copies where hot, dequantized
-    elsewhere (the sdpa prefill path's prefix)."""
-    return _op("read", backend, slots.device).read_rows(store, slots, dtype)
+    elsewhere (the sdpa prefill path's prefix); into ``out`` (two contiguous tensors of that shape) if given."""
+    return _op("read", backend, slots.device).read_rows(store, slots, dtype, out)
 
 
 def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, req_to_token: torch.Tensor,

@@ -62,6 +62,22 @@ def test_read_kernel_without_hot_rows_and_of_no_rows():
     assert k0.shape == v0.shape == (0, KV, 64)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_rows_are_read_into_the_head_of_a_larger_buffer(backend):
+    # The sdpa path reads a prefix into the first rows of its keys and values, the new tokens after them.
+    store, slots = stored(21, 128, (F(2), F(4, 32)), seed=7)
+    k_ref, v_ref = reference.read_rows(store, slots, torch.bfloat16)
+    keys = torch.full((24, KV, 128), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    vals = keys.clone()
+    got = api.read_rows(store, slots, torch.bfloat16, (keys[:21], vals[:21]), backend=backend)
+    assert got[0].data_ptr() == keys.data_ptr() and got[1].data_ptr() == vals.data_ptr()
+    assert torch.equal(keys[:21], k_ref) and torch.equal(vals[:21], v_ref)
+    assert (keys[21:] == 7).all() and (vals[21:] == 7).all()          # nothing written past the rows
+    for bad in ((keys[:20], vals[:21]), (keys[:21].float(), vals[:21].float()), (keys[:21, :, ::2], vals[:21, :, ::2])):
+        with pytest.raises(ValueError, match="out must be two contiguous"):
+            api.read_rows(store, slots, torch.bfloat16, bad, backend=backend)
+
+
 def test_read_kernel_refuses_other_dtypes():
     store, slots = stored(4, 64, (F(2), F(2)), seed=6)
     with pytest.raises(ValueError, match="read as"):

@@ -9,19 +9,20 @@ import torch.nn.functional as F
 
 from oscar_sglang.rotation import derotate_output, rotate_kv, rotate_queries
 
-from ..common.reference import read_rotated
 from ..layout import DeviceRotation, LayerStore
+from ..read.reference import read_rows
 
 
 def rotated_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, extend_start_loc: torch.Tensor | None, dtype: torch.dtype,
-                     read: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                     read: Callable[[torch.Tensor, tuple[torch.Tensor, torch.Tensor]], object] | None = None,
                      ) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per request with new tokens: its rows of ``q`` and, in ``dtype``, the rotated queries ``[ext, q_heads, d]``
     and keys, values ``[pre + ext, kv_heads, d]`` (the cached prefix read from the store, then the new tokens
-    rotated exactly); a host loop over the requests (prefill only).  ``read(slots)``: the prefix's rows
-    (default: ``read_rotated`` in fp32, then cast)."""
+    rotated exactly); a host loop over the requests (prefill only).  ``read(slots, out)`` writes the prefix's
+    rows into ``out``, the first ``pre`` rows of the keys and values (default: ``read_rotated`` in fp32, then
+    a cast): no concatenated copy."""
     n, _, d = q.shape
     kv = rot.k_rot.shape[0]
     if extend_start_loc is None:
@@ -34,8 +35,14 @@ def rotated_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         if ext == 0:
             continue
         rows = slice(first, first + ext)
-        kp, vp = (read or (lambda slots: read_rotated(store, slots)))(req_to_token[req, :pre])
-        yield rows, qr[rows], torch.cat([kp.to(dtype), kn[rows]]), torch.cat([vp.to(dtype), vn[rows]])
+        keys = torch.empty(pre + ext, kv, d, dtype=dtype, device=q.device)
+        vals = torch.empty_like(keys)
+        if read is None:  # read_rotated (fp32), cast into the buffers
+            read_rows(store, req_to_token[req, :pre], dtype, (keys[:pre], vals[:pre]))
+        else:
+            read(req_to_token[req, :pre], (keys[:pre], vals[:pre]))
+        keys[pre:], vals[pre:] = kn[rows], vn[rows]
+        yield rows, qr[rows], keys, vals
 
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,

@@ -92,8 +92,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
 
     backend = read_backend(store, q.device.type)
 
-    def read(slots):
-        return api.read_rows(store, slots, work, backend=backend)
+    def read(slots, into):
+        api.read_rows(store, slots, work, into, backend=backend)
 
     def heads(x):  # [tokens, heads, d] -> [1, heads, tokens, d]
         return x.transpose(0, 1).unsqueeze(0)

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..common.triton_helpers import dequant_rows, fetch_rows, slot_entries, store_pieces
 from ..layout import LayerStore, require_contiguous, triton_unsupported
+from .reference import check_out
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -44,15 +45,20 @@ def _read_kernel(slots_ptr, n, out, codes, scale, zero, hot_rows, hot_index, KV,
     store_pieces(out + (t.to(tl.int64) * KV + kvh) * D, tmask, x0, x1, x2, x3, D)  # cast to out's dtype, RNE
 
 
-def read_rows(store: LayerStore, slots: torch.Tensor, dtype: torch.dtype, block_t: int = 32,
+def read_rows(store: LayerStore, slots: torch.Tensor, dtype: torch.dtype,
+              out: tuple[torch.Tensor, torch.Tensor] | None = None, block_t: int = 32,
               num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`oscar_sglang.kernels.read.reference.read_rows` (same arguments)."""
     if dtype not in OUT_DTYPES:
         raise ValueError(f"rows can be read as {OUT_DTYPES}, not {dtype}")
     kv, d, kf, vf = store.kv_heads, store.head_dim, store.k_format, store.v_format
     n = slots.shape[0]
-    k = torch.empty(n, kv, d, dtype=dtype, device=store.k_hot.device)
-    v = torch.empty_like(k)
+    if out is None:
+        k = torch.empty(n, kv, d, dtype=dtype, device=store.k_hot.device)
+        v = torch.empty_like(k)
+    else:
+        check_out(out, (n, kv, d), dtype)
+        k, v = out
     if n == 0:
         return k, v
     assert (problem := triton_unsupported(d, kf, vf)) is None, problem
