@@ -66,6 +66,61 @@ def timed_ms(fn: Callable[[], object], smoke: bool, warmup: int = 5, rep: float 
     return min(runs) * 1e3
 
 
+# --------------------------------------------------------------------------- CUDA graphs
+
+def in_backend(backend, fn):
+    """``fn`` run under ``sdpa_kernel(backend)`` (as recorded in a graph too)."""
+    def run():
+        from torch.nn.attention import sdpa_kernel
+
+        with sdpa_kernel(backend):
+            return fn()
+    return run
+
+
+def graph_times(fns: dict, timed: Callable[[Callable[[], object]], float]) -> dict:
+    """Each decode recorded in a CUDA graph and replayed (``{name}_ms``, or ``{name}_note`` where it fails): what a
+    server's decode costs without the host's launches, which eager timing at batch 1 may partly include (the
+    Triton wrappers' Python, 2-4 launches per call, against SDPA's one C++ call)."""
+    from oscar_sglang.kernels import scenario
+
+    out = {}
+    for name, fn in fns.items():
+        try:
+            graph, _ = scenario.capture_graph(fn)
+            out[f"{name}_ms"] = timed(graph.replay)
+            del graph
+        except Exception as e:  # noqa: BLE001 - a baseline that cannot be captured is a finding
+            out[f"{name}_ms"], out[f"{name}_note"] = None, f"{type(e).__name__}: {str(e)[:200]}"
+    bf16 = [out[f"{n}_ms"] for n in ("triton_bf16", "sdpa") if out.get(f"{n}_ms") is not None]
+    out["speedup"] = min(bf16) / out["int2_ms"] if bf16 and out.get("int2_ms") else None
+    return out
+
+
+def graph_lines(decode: list[dict]) -> list[str]:
+    """The CUDA-graph section of bench_kernels.md (rows timed in graphs only)."""
+    rows = [r for r in decode if r.get("graph")]
+    if not rows:
+        return []
+
+    def ms(g, n):
+        return "n/a" if g.get(f"{n}_ms") is None else f"{g[f'{n}_ms']:.4f}"
+
+    lines = ["", "## Decode in CUDA graphs (the goals' shapes)", "",
+             "The same decodes recorded in a CUDA graph (two warm-ups on a side stream, as SGLang's runner) and "
+             "replayed: the GPU's time without the host's launches, as a server's decode runs. INT2 = the "
+             "automatic choice of the columns above; speedup = best BF16 / INT2.", "",
+             "| d | batch | context | INT2 ms | Triton BF16 ms | SDPA ms | speedup | notes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        g = r["graph"]
+        notes = "; ".join(f"{k[:-5]}: {v}" for k, v in g.items() if k.endswith("_note"))
+        speed = "n/a" if g.get("speedup") is None else f"{g['speedup']:.2f}"
+        lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {ms(g, 'int2')} | {ms(g, 'triton_bf16')} | "
+                     f"{ms(g, 'sdpa')} | {speed} | {notes} |")
+    return lines
+
+
 # --------------------------------------------------------------------------- copy bandwidth
 
 def copy_bandwidth(timed: Callable[[Callable[[], object]], float], device: torch.device, nbytes: int) -> dict:

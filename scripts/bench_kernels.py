@@ -142,6 +142,7 @@ else:
     # 32k + 256 tokens in its 16 GiB budget: the decode-rate goal), where OSCAR_SGLANG_DECODE_KERNEL is used
     TUNE_CASES = {(1, 32768), (32, 32768)}
     TUNE_GRID = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3)]  # first = the default
+GRAPH_CASES = TUNE_CASES  # the goals' shapes, timed again in CUDA graphs (CUDA only)
 
 
 def timed(fn) -> float:
@@ -373,6 +374,12 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
         for key in [k for k in row if k.startswith("smoke_")]:
             if not row[key] < TOL_BASELINE:
                 problems.append(f"{where}: {key} = {row[key]:.2e} > {TOL_BASELINE}")
+    if DEVICE.type == "cuda" and (batch, ctx) in GRAPH_CASES:
+        fns = {"int2": lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx),
+               "triton_bf16": tbf16}
+        if row.get("sdpa_ms") is not None:
+            fns["sdpa"] = bl.in_backend(backend, next(fn for form, fn, _ in runs if form == row["sdpa_backend"]))
+        row["graph"] = bl.graph_times(fns, timed)
     err = row.get("sdpa_rel_err")
     if err is not None and not err < TOL_BASELINE:
         problems.append(f"{where}: sdpa differs from triton_bf16 by {err:.2e} (relative) > {TOL_BASELINE}")
@@ -540,6 +547,7 @@ def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: l
                      f"{r['sdpa_MB']:.4g} | {r['int2_GBps']:.4g} | {_pct(r, 'int2')} | {_pct(r, 'int4k')} | "
                      f"{_pct(r, 'triton_bf16')} | {_pct(r, 'sdpa')} | "
                      f"{_pct(r, 'flashinfer')} |")
+    lines += bl.graph_lines(decode)
     lines += ["", "## Where the queries are rotated (INT2 decode)", "",
               "The automatic choice rotates them inside the split kernel (2 launches per layer) when its grid is "
               f"at most {decode_tk.ROTATE_IN_KERNEL_WAVES} programs per multiprocessor, else before it in torch "

@@ -181,6 +181,7 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
     data = json.loads((tmp_path / "bench_kernels_cpu_smoke.json").read_text())
     assert not data["problems"]
     assert len(data["decode"]) == 8 and data["copy"]["copy_verified"]
+    assert not any("graph" in row for row in data["decode"])   # CUDA graphs: CUDA only
     for row in data["decode"]:
         assert row["sdpa_backend"] in ("math/enable_gqa", "math/packed")
         assert set(row["sdpa_forms"]) == {"math/enable_gqa", "math/packed"}
@@ -256,3 +257,29 @@ def test_the_broadcast_rotation_timed_as_run_1s_computes_what_is_served():
     ext = load_script("bench_extend.py")
     x, r = torch.randn(5, 8, 64), torch.linalg.qr(torch.randn(2, 64, 64))[0]
     torch.testing.assert_close(ext._broadcast_rotation(x, r), rotate_queries(x, r), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_graph_times_and_their_section(monkeypatch):
+    # Off CUDA nothing can be recorded: each decode says why, no speedup is claimed.
+    out = bl.graph_times({"int2": lambda: None, "sdpa": lambda: None}, lambda fn: 1.0)
+    assert out["int2_ms"] is None and out["sdpa_ms"] is None and out["speedup"] is None
+    assert out["int2_note"] and out["sdpa_note"]
+    # Recorded (a stand-in graph replaying the function): speedup = the best BF16 / INT2; a failure is a note.
+    from types import SimpleNamespace
+
+    def capture(fn):
+        if fn == "broken":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return SimpleNamespace(replay=fn), None
+
+    monkeypatch.setattr(scenario, "capture_graph", capture)
+    ms = {"a": 0.02, "b": 0.08, "c": 0.06}
+    out = bl.graph_times({"int2": "a", "triton_bf16": "b", "sdpa": "c", "flashinfer": "broken"}, ms.get)
+    assert (out["int2_ms"], out["triton_bf16_ms"], out["sdpa_ms"]) == (0.02, 0.08, 0.06)
+    assert out["speedup"] == pytest.approx(3.0) and out["flashinfer_ms"] is None
+    assert out["flashinfer_note"].startswith("RuntimeError: operation not permitted")
+    lines = bl.graph_lines([{"d": 128, "batch": 1, "context": 32768, "graph": out}, {"d": 64, "batch": 8}])
+    assert "## Decode in CUDA graphs (the goals' shapes)" in lines
+    assert lines[-1] == ("| 128 | 1 | 32768 | 0.0200 | 0.0800 | 0.0600 | 3.00 | flashinfer: RuntimeError: "
+                         "operation not permitted when stream is capturing |")
+    assert bl.graph_lines([{"d": 64, "batch": 8}]) == []
