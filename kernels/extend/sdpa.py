@@ -14,7 +14,9 @@ attention reads each KV head for its group of query heads), the KV heads go
 in as they are; elsewhere they are expanded to the query heads first, which
 every backend takes (transient memory per request: prefix + new tokens' keys
 and values for every query head, 32 heads x 32k tokens x d 128 in bf16:
-512 MiB, against 128 MiB for 8 KV heads as they are).  Chosen on a server by
+512 MiB, against 128 MiB for 8 KV heads as they are).  A server's prefill on
+CUDA by default since 2026-12-05 (``settings.extend_path``; the Triton kernel
+with ``OSCAR_SGLANG_EXTEND_KERNEL=kernel``), anywhere with
 ``OSCAR_SGLANG_EXTEND_KERNEL=sdpa``; the numerics are the reference's with
 bf16 operands (``tests/test_kernels_extend.py``).
 """
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from oscar_sglang.rotation import derotate_output
 
+from .. import api
 from ..common.reference import expand_groups
 from ..layout import DeviceRotation, LayerStore, triton_unsupported
 from .reference import rotated_requests
@@ -84,12 +87,9 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
                      extend_lens: torch.Tensor, sm_scale: float,
                      extend_start_loc: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`oscar_sglang.kernels.extend.reference.extend_attention` with 16-bit operands through SDPA."""
-    from .. import api
-
     n, q_heads, d = q.shape
     work = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     out = torch.zeros(n, q_heads, d, dtype=work, device=q.device)
-
     backend = read_backend(store, q.device.type)
 
     def read(slots, into):
