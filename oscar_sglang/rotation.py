@@ -135,7 +135,7 @@ def _grouped(x: torch.Tensor, rotation: torch.Tensor, transpose: bool) -> torch.
     its batch dims broadcast, and matmul materialises ``R`` expanded to every
     row (``rows x kv_heads x d x d``: 4 GiB for an 8k-token prefill chunk of
     8 KV heads at d 128) and runs ``rows x kv_heads`` tiny matmuls; on a 2-core
-    CPU 2048 tokens took 680 ms that way, 80 ms this way.
+    CPU 2048 tokens of 32 heads at d 128 took 680 ms that way, 85 ms this way.
     """
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     *lead, hq, d = x.shape

@@ -27,6 +27,7 @@ def rotated_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     kv = rot.k_rot.shape[0]
     if extend_start_loc is None:
         extend_start_loc = torch.cumsum(extend_lens, 0) - extend_lens
+    read = read or (lambda slots, out: read_rows(store, slots, dtype, out))  # read_rotated (fp32), cast into out
     qr = rotate_queries(q, rot.q_rot).to(dtype)
     kn = rotate_kv(k.reshape(n, kv, d), rot.k_rot, rot.k_mean).to(dtype)
     vn = rotate_kv(v.reshape(n, kv, d), rot.v_rot).to(dtype)
@@ -37,10 +38,7 @@ def rotated_requests(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         rows = slice(first, first + ext)
         keys = torch.empty(pre + ext, kv, d, dtype=dtype, device=q.device)
         vals = torch.empty_like(keys)
-        if read is None:  # read_rotated (fp32), cast into the buffers
-            read_rows(store, req_to_token[req, :pre], dtype, (keys[:pre], vals[:pre]))
-        else:
-            read(req_to_token[req, :pre], (keys[:pre], vals[:pre]))
+        read(req_to_token[req, :pre], (keys[:pre], vals[:pre]))
         keys[pre:], vals[pre:] = kn[rows], vn[rows]
         yield rows, qr[rows], keys, vals
 

@@ -65,10 +65,10 @@ def read_rows(store: LayerStore, slots: torch.Tensor, dtype: torch.dtype,
     require_contiguous(store)
     slots = slots.contiguous()
     k_codes, k_scale, k_zero, v_codes, v_scale, v_zero = store.row_args()
-    for out, codes, scale, zero, hot_rows, form in ((k, k_codes, k_scale, k_zero, store.k_hot, kf),
+    for buf, codes, scale, zero, hot_rows, form in ((k, k_codes, k_scale, k_zero, store.k_hot, kf),
                                                     (v, v_codes, v_scale, v_zero, store.v_hot, vf)):
         _read_kernel[(triton.cdiv(n, block_t), kv)](
-            slots, n, out, codes, scale, zero, hot_rows, store.hot_index, kv, BLOCK_T=block_t, D=d,
+            slots, n, buf, codes, scale, zero, hot_rows, store.hot_index, kv, BLOCK_T=block_t, D=d,
             BITS=form.bits, G=form.group, SYM=form.symmetric, num_warps=num_warps,
             enable_fp_fusion=False,  # zero + code * scale rounded twice, as torch: the reference's rows bit for bit
         )
