@@ -45,7 +45,8 @@ def choose(kernel_ms: float | None, sdpa_ms: float | None, rel_err: float | None
     gain = sdpa_ms / kernel_ms
     if gain >= KERNEL_GAIN:
         return "kernel", f"the Triton kernel is {gain:.2f}x as fast (>= {KERNEL_GAIN})"
-    return "sdpa", f"the sdpa path is {kernel_ms / sdpa_ms:.2f}x as fast (the kernel would need {KERNEL_GAIN}x its speed)"
+    return "sdpa", (f"the sdpa path is {kernel_ms / sdpa_ms:.2f}x as fast "
+                    f"(the kernel would need {KERNEL_GAIN}x its speed)")
 
 
 def main(argv=None) -> int:
