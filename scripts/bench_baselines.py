@@ -78,18 +78,22 @@ def in_backend(backend, fn):
     return run
 
 
+def graph_ms(step: Callable[[], object], timed: Callable[[Callable[[], object]], float]) -> float:
+    """``step`` recorded in a CUDA graph (after two warm-ups on a side stream, as SGLang captures) and replayed."""
+    from oscar_sglang.kernels.scenario import capture_graph
+
+    graph, _ = capture_graph(step)
+    return timed(graph.replay)
+
+
 def graph_times(fns: dict, timed: Callable[[Callable[[], object]], float]) -> dict:
     """Each decode recorded in a CUDA graph and replayed (``{name}_ms``, or ``{name}_note`` where it fails): what a
     server's decode costs without the host's launches, which eager timing at batch 1 may partly include (the
     Triton wrappers' Python, 2-4 launches per call, against SDPA's one C++ call)."""
-    from oscar_sglang.kernels import scenario
-
     out = {}
     for name, fn in fns.items():
         try:
-            graph, _ = scenario.capture_graph(fn)
-            out[f"{name}_ms"] = timed(graph.replay)
-            del graph
+            out[f"{name}_ms"] = graph_ms(fn, timed)
         except Exception as e:  # noqa: BLE001 - a baseline that cannot be captured is a finding
             out[f"{name}_ms"], out[f"{name}_note"] = None, f"{type(e).__name__}: {str(e)[:200]}"
     bf16 = [out[f"{n}_ms"] for n in ("triton_bf16", "sdpa") if out.get(f"{n}_ms") is not None]

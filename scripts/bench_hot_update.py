@@ -27,9 +27,10 @@ from __future__ import annotations
 import torch
 
 from oscar_sglang.kernels.repin import reference as repin_ref
-from oscar_sglang.kernels.scenario import capture_graph
 from oscar_sglang.sglang import sizing
 from oscar_sglang.sglang.hot import HotSet
+
+import bench_baselines as bl  # scripts/: its importers put it on the path
 
 HOT_REQUESTS = 32
 
@@ -76,7 +77,7 @@ def measure(device, timed, smoke: bool, rows: int = 4096, context: int = 4096,
             row[f"{path}_graph_ms"] = None
             if device.type == "cuda":
                 try:                      # a capture that fails is written down, the other numbers kept
-                    row[f"{path}_graph_ms"] = _graph_ms(step, timed)
+                    row[f"{path}_graph_ms"] = bl.graph_ms(step, timed)
                 except Exception as e:  # noqa: BLE001
                     row[f"{path}_graph_note"] = f"{type(e).__name__}: {str(e)[:200]}"
                     torch.cuda.synchronize()
@@ -90,12 +91,6 @@ def measure(device, timed, smoke: bool, rows: int = 4096, context: int = 4096,
                                                                    if k.endswith("_ms") and v is not None),
               flush=True)
     return out
-
-
-def _graph_ms(step, timed) -> float:
-    """``step`` recorded in a CUDA graph (after two warm-ups on a side stream, as SGLang captures) and replayed."""
-    graph, _ = capture_graph(step)
-    return timed(graph.replay)
 
 
 def markdown(rows: list[dict]) -> list[str]:
