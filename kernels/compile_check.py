@@ -20,17 +20,18 @@ import sys
 
 import torch
 
+from .occupancy import resident_programs
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
 # tiles of the extend kernel beside its default (block_rows 64, block_n 32, 8 warps, 2 stages) that
 # scripts/bench_extend.py times on the GPU
 EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block_n": 64}, {"num_warps": 4})
 # the decode loop's variants that scripts/device/decode_variants.py times (the first H200 run: latency-bound)
-# (the default since then: block_n 64, prefetch 1, hot_skip; these are the others)
-DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"block_n": 32, "prefetch": 1},
-                   {"block_n": 32, "prefetch": 2}, {"prefetch": 2}, {"block_n": 128},
-                   {"dots": "bf16"}, {"dots": "bf16", "block_n": 128}, {"fold": True}, {"fold": True, "num_warps": 2},
-                   {"fold": True, "block_n": 32, "num_warps": 1}, {"fold": True, "block_n": 128, "num_warps": 2})
+# (the default since then: block_n 64, prefetch 1, hot_skip; these are the others; "whole waves" compiles as
+# the loop it sizes)
+DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"dots": "bf16"}, {"fold": True},
+                   {"fold": True, "num_warps": 2}, {"fold": True, "num_warps": 2, "max_registers": 128})
 
 
 class _Recorder:
@@ -230,6 +231,9 @@ def compile_all(arch: int = 90, verbose: bool = True) -> list[dict]:
         kernel = compile_launch(fn, args, kwargs, target)
         info = {"launch": label, "kernel": fn.__name__, "shared": kernel.metadata.shared,
                 **_resource_usage(kernel.asm["cubin"])}
+        if "reg" in info:  # warps one multiprocessor holds (sm_80/sm_90 limits)
+            warps = kernel.metadata.num_warps
+            info["warps/SM"] = warps * resident_programs(info["reg"], info["shared"], warps)
         results.append(info)
         if verbose:
             print(f"{label:40s} {fn.__name__:22s} " + " ".join(f"{k} {v}" for k, v in info.items()

@@ -34,3 +34,21 @@ def test_report_gives_each_variants_time_and_its_ratio_to_bf16():
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[2] == "1.000" and cells[3] == "2.000 (0.50)" and cells[4] == "OutOfResources: shared memory"
     assert "first vs reference 5.0e-03" in text and "- problem: a problem" in text
+
+
+def test_report_gives_each_variants_grid_where_the_gpu_said():
+    labels = [label for label, _ in decode_variants.VARIANTS]
+    grid = {"splits": 2, "registers": 128, "spills": 36, "shared": 10240, "num_warps": 2, "resident": 8,
+            "waves": 0.485}
+    row = {"batch": 32, "context": 32768, "bf16_ms": 1.0,
+           **{label: {"ms": 2.0, "rel_diff_vs_first": 1e-3, "grid": {"splits": 3}} for label in labels}}
+    row[labels[-1]]["grid"] = grid
+    text = decode_variants.markdown({"device": "X", "triton": "3.6.0", "torch": "2.11", "seconds": 1.0,
+                                     "command": "cmd", "rows": [row], "problems": []})
+    grids = [x for x in text.splitlines() if x.startswith("| 32 | 32768 | default")]
+    assert grids == [f"| 32 | 32768 | {labels[-1]} | 2 | 128 (36) | 10.0 | 8 | 0.48 |"]
+    # on the interpreter (no registers) no grid table at all
+    row[labels[-1]]["grid"] = {"splits": 3}
+    assert "Grids:" not in decode_variants.markdown({"device": "X", "triton": "3.6.0", "torch": "2.11",
+                                                      "seconds": 1.0, "command": "cmd", "rows": [row],
+                                                      "problems": []})

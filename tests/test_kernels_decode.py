@@ -167,6 +167,31 @@ def test_decode_split_count_does_not_change_the_result():
         assert torch.allclose(o, outs[0], atol=ATOL, rtol=RTOL)
 
 
+def test_decode_whole_waves_registers_and_report_keep_the_result():
+    """The grid options (``max_registers``, ``whole_waves``: the GPU's compiler and residency, nothing on the
+    interpreter) and the most splits the whole-wave rule gives (:data:`MAX_WAVE_SPLITS`, most of them empty
+    here) compute the same attention; ``report`` says the split count launched."""
+    from oscar_sglang.kernels.decode.triton_kernel import MAX_WAVE_SPLITS
+
+    paged, rot, store = build([3, 300], 64, 64, 16, True, 9)
+    q = torch.randn(2, KV * 4, 64, device=DEVICE)
+    args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+    want = reference.decode_attention(*args, 64**-0.5)
+    report = {}
+    plain = api.decode_attention(*args, backend="triton", block_n=16, report=report)
+    assert report["splits"] >= 2 and ("registers" in report) == (DEVICE == "cuda")
+    for kw in ({"num_splits": MAX_WAVE_SPLITS}, {"max_registers": 128}, {"whole_waves": True, "max_seq_len": 300},
+               {"fold": True, "num_warps": 2, "max_registers": 96, "whole_waves": True}):
+        out = api.decode_attention(*args, backend="triton", block_n=16, **kw)
+        if kw.get("fold"):  # fp16 queries and weights: within 2^-9 of the output's scale, as the fold's own test
+            assert (out - want).abs().max().item() < 2**-9 * want.abs().max().item()
+        else:
+            assert torch.allclose(out, want, atol=ATOL, rtol=RTOL), kw
+    assert torch.allclose(plain, want, atol=ATOL, rtol=RTOL)
+    with pytest.raises(ValueError, match="max_registers"):
+        api.decode_attention(*args, backend="triton", max_registers=300)
+
+
 def test_decode_bf16_query_and_empty_request():
     paged, rot, store = build([0, 9, 33], 64, 64, 1, True, 8)
     q = torch.randn(3, KV * 3, 64, device=DEVICE).bfloat16()

@@ -30,9 +30,11 @@ from ..common.triton_helpers import (attend_fetched_block, attend_fetched_block_
                                      store_pieces)
 from ..interpret import interpreted
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
+from ..occupancy import Multiprocessor, compiled_resources, resident_programs
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
+MAX_WAVE_SPLITS = 128  # choose_splits' bound where it sizes the grid to the resident programs (``whole_waves``)
 ROTATE_IN_KERNEL_WAVES = 2  # decode_attention's automatic choice of where the queries are rotated
 # fp32 dot operands: TF32 tensor cores on the GPU (about 1e-3 relative per
 # product, below bf16's 4e-3); the interpreter computes them in fp32.
@@ -194,13 +196,25 @@ def _processors(device: torch.device) -> int:
 
 
 def choose_splits(batch: int, kv_heads: int, device: torch.device, max_seq_len: int | None = None,
-                  block_n: int = 32, num_warps: int = 4) -> int:
-    """Splits per request so that about 8 warps run per streaming multiprocessor (2 programs of 4 warps, 4 of 2),
-    without a host sync."""
-    s = triton.cdiv(max(1, 8 // num_warps) * _processors(device), max(1, batch * kv_heads))
+                  block_n: int = 32, num_warps: int = 4, resident: int | None = None) -> int:
+    """Splits per request, without a host sync.
+
+    Without ``resident``: about 8 warps per streaming multiprocessor (2 programs of 4 warps, 4 of 2), rounded up,
+    at most :data:`MAX_SPLITS`.  With ``resident``, the programs one multiprocessor holds at once
+    (``kernels/occupancy.resident_programs`` of the compiled kernel): as many splits as fit in one whole wave
+    of the device (rounded down, at least 1, at most :data:`MAX_WAVE_SPLITS`), since a grid of 1.5 waves of
+    equal programs takes as long as 2.  Either way at most one split per ``2 * block_n`` tokens of
+    ``max_seq_len``.
+    """
+    if resident:
+        s = max(1, resident * _processors(device) // max(1, batch * kv_heads))
+        cap = MAX_WAVE_SPLITS
+    else:
+        s = triton.cdiv(max(1, 8 // num_warps) * _processors(device), max(1, batch * kv_heads))
+        cap = MAX_SPLITS
     if max_seq_len is not None:
         s = min(s, triton.cdiv(max(1, max_seq_len), 2 * block_n))
-    return max(1, min(MAX_SPLITS, s))
+    return max(1, min(cap, s))
 
 
 def rotates_q_in_kernel(batch: int, kv_heads: int, splits: int, device: torch.device) -> bool:
@@ -231,7 +245,9 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                      num_splits: int | None = None, max_seq_len: int | None = None,
                      block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      rotate_q_in_kernel: bool | None = None, hot_skip: bool = True,
-                     prefetch: int = 1, dots: str = DOT_PRECISION, fold: bool = False) -> torch.Tensor:
+                     prefetch: int = 1, dots: str = DOT_PRECISION, fold: bool = False,
+                     max_registers: int | None = None, whole_waves: bool = False,
+                     report: dict | None = None) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
 
     ``rotate_q_in_kernel`` (default: automatic): rotate the queries inside the split kernel (two launches
@@ -259,6 +275,15 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     (scripts/device/decode_variants.py): compiled for sm_90 (kernels/compile_check.py --sass) it issues 41
     warp-instructions per token with triton 3.6 (the default 112) and 43 with 3.8 (the default 60); 25 and 26
     with ``num_warps=2``.
+
+    ``max_registers``: the compiler's registers per thread at most (Triton's ``maxnreg``; spills beyond).  The
+    loop compiles to 220-255 on sm_90, which holds a multiprocessor to 8 warps (``kernels/occupancy.py``); 128
+    doubles that at the cost of a few dozen local loads and stores per block (with ``fold`` and 2 warps: 72).
+    ``whole_waves`` (without ``num_splits``): on a GPU, the split count from the compiled kernel's residency
+    (``choose_splits(resident=...)``: one whole wave, up to :data:`MAX_WAVE_SPLITS`), not the fixed 8 warps per
+    multiprocessor; elsewhere ignored.  Variants for the GPU to time (scripts/device/decode_variants.py).
+    ``report``: a dict filled with the launch's ``splits`` and, on a GPU, the compiled split kernel's
+    ``registers``, ``spills``, ``shared``, ``resident`` programs per multiprocessor and ``waves`` of the grid.
     """
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")
@@ -282,17 +307,49 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     fold = bool(fold and hot_skip and kf.group_for(d) == d and vf.group_for(d) == d)
     if fold and block_n % 16:  # the fp16 dots over a block's tokens, and the hot parts of 16 rows
         raise ValueError(f"fold needs block_n a multiple of 16, got {block_n}")
-    mid_o = torch.empty(bsz, q_heads, splits, d, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(bsz, q_heads, splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(bsz, kv, splits)](
-        q_in, rot.q_rot, *store.row_args(),
-        store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        q_in.stride(0), q_in.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
-        GQ=gq, BLOCK_H=max(8 if fold else 16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
-        K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
-        K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
-        PREFETCH=prefetch, FOLD=fold,
-        PACKED=not interpreted(_decode_split_kernel) and torch.version.hip is None,  # inline PTX: NVIDIA only
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    if max_registers is not None and not 16 <= max_registers <= 255:
+        raise ValueError(f"max_registers must be within 16..255, got {max_registers!r}")
+    consts = dict(GQ=gq, BLOCK_H=max(8 if fold else 16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
+                  K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
+                  K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
+                  PREFETCH=prefetch, FOLD=fold,
+                  PACKED=not interpreted(_decode_split_kernel) and torch.version.hip is None,  # inline PTX: NVIDIA only
+                  num_warps=num_warps, num_stages=num_stages,
+                  **({"maxnreg": max_registers} if max_registers is not None else {}))
+
+    def launch(splits, warmup=False):
+        mid_o = torch.empty(bsz, q_heads, splits, d, dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty(bsz, q_heads, splits, dtype=torch.float32, device=q.device)
+        args = (q_in, rot.q_rot, *store.row_args(), store.k_hot, store.v_hot, store.hot_index, req_to_token,
+                req_pool_indices, seq_lens, mid_o, mid_lse, q_in.stride(0), q_in.stride(1), req_to_token.stride(0),
+                kv, q_heads, splits, sm_scale * LOG2E)
+        if warmup:
+            return _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **consts)
+        return _decode_split_kernel[(bsz, kv, splits)](*args, **consts), mid_o, mid_lse
+
+    on_gpu = q.device.type == "cuda" and not interpreted(_decode_split_kernel)
+    if whole_waves and num_splits is None and on_gpu:
+        key = (q.device, q_in.dtype, tuple(sorted(consts.items())))
+        if key not in _RESIDENT:
+            compiled = launch(splits, warmup=True)
+            _RESIDENT[key] = _resident(compiled, q.device) if compiled is not None else None
+        if _RESIDENT[key]:
+            splits = choose_splits(bsz, kv, q.device, max_seq_len, block_n, num_warps, resident=_RESIDENT[key])
+    compiled, mid_o, mid_lse = launch(splits)
+    if report is not None:
+        report["splits"] = splits
+        if on_gpu and compiled is not None:
+            resident = _resident(compiled, q.device)
+            report.update(compiled_resources(compiled), resident=resident,
+                          waves=bsz * kv * splits / max(1, resident * _processors(q.device)))
     return merge_splits(mid_o, mid_lse, rot.v_rot, q.dtype)
+
+
+# (device, query dtype, constexprs and options) -> programs of the split kernel resident per multiprocessor
+# (None: unknown, the fixed rule)
+_RESIDENT: dict[tuple, int | None] = {}
+
+
+def _resident(compiled, device: torch.device) -> int:
+    r = compiled_resources(compiled)
+    return resident_programs(r["registers"], r["shared"], r["num_warps"], Multiprocessor.of(device))

@@ -7,8 +7,11 @@ cost, not a per-byte one.  A block of the split kernel's loop waits for three
 dependent loads in turn (its tokens' slots, their hot entries, then the rows),
 so this times the loop's variants (``decode_attention``'s ``prefetch`` and
 ``hot_skip``, timed in the second run, which chose today's default; since then
-``dots="bf16"`` and ``fold``, the folded scales) and tiles in one run, to choose
-the default from numbers:
+``dots="bf16"`` and ``fold``, the folded scales; since 2026-12-05 the grid:
+``whole_waves``, splits from the compiled kernel's residency, and
+``max_registers``) and tiles in one run, to choose the default from numbers.
+On a GPU the report also gives each variant's grid: splits, registers per
+thread (spilled), programs resident per multiprocessor and waves:
 
     python scripts/device/decode_variants.py --out OUT [--budget-s 90]
     ncu ... python scripts/device/decode_variants.py --out OUT --profile   # one case, a few launches each
@@ -59,25 +62,31 @@ CASES = [(1, 200), (2, 96)] if SMOKE else [(1, 32768), (32, 32768), (128, 16384)
 # (label, decode_attention options): the first is the kernel as it was at the first GPU run (the others are
 # checked against it), the second the default since the second run; then the variants not yet timed on the GPU.
 # The second run's other rows (hot_skip, prefetch 1 and 2 at block_n 32, prefetch 2 at 64, 8 warps, 1 stage) are
-# in docs/gpu/run2/decode_variants.md; dropped here so that the rest fits the step's two minutes.
+# in docs/gpu/run2/decode_variants.md; dropped here so that the rest fits the step's two minutes, as are (on
+# 2026-12-05) block_n 128 (255 registers and 139 KB of shared memory: one program per multiprocessor), bf16 dots
+# at block_n 128 (spills) and the folded loop at 1 warp (spills) and at block_n 128.
 RUN1 = {"block_n": 32, "prefetch": 0, "hot_skip": False}
+FOLD2 = {"fold": True, "num_warps": 2}
 VARIANTS = [
     ("as run 1", RUN1),
     ("prefetch 1 + hot_skip, block_n 64", {"prefetch": 1, "hot_skip": True, "block_n": 64}),
-    ("prefetch 1 + hot_skip, block_n 128", {"prefetch": 1, "hot_skip": True, "block_n": 128}),
     ("default, bf16 dots", {"dots": "bf16"}),
-    ("default, bf16 dots, block_n 128", {"dots": "bf16", "block_n": 128}),
+    # the loop compiles to 220-255 registers per thread on sm_90, so a multiprocessor holds 8 warps whatever the
+    # program's size (kernels/occupancy.py); the default grid, sized for 8 warps per multiprocessor and rounded
+    # up, can be a wave and a part: "whole waves" sizes it from the compiled kernel's residency, rounded down
+    ("default, whole waves", {"whole_waves": True}),
     # scales folded into the logits and weights, fp16 dots over the codes unpacked by inline PTX, transposed so
     # that the GQA group fills the MMA's 8-wide side (sm_90 per 64-token block: 684 instructions with triton 3.8,
     # 660 with 3.6, against the default's 959 and 1797; fewer warps issue fewer per token: 2 warps 838 / 805:
     # `python -m oscar_sglang.kernels.compile_check --sass fold`)
     ("default, fold", {"fold": True}),
-    ("default, fold, 2 warps", {"fold": True, "num_warps": 2}),
-    ("default, fold, block_n 32, 1 warp", {"fold": True, "block_n": 32, "num_warps": 1}),
-    ("default, fold, block_n 128, 2 warps", {"fold": True, "block_n": 128, "num_warps": 2}),
+    ("default, fold, 2 warps", FOLD2),
+    ("default, fold, 2 warps, whole waves", {**FOLD2, "whole_waves": True}),
+    # at most 128 registers: 16 warps per multiprocessor instead of 8, for 72 local loads and stores per block
+    ("default, fold, 2 warps, 128 registers, whole waves", {**FOLD2, "max_registers": 128, "whole_waves": True}),
 ]
-if SMOKE:
-    VARIANTS = [(n, {**o, "block_n": 16}) for n, o in VARIANTS[:2] + VARIANTS[3:4] + VARIANTS[5:7]]
+if SMOKE:  # the interpreter ignores registers and waves; the rows still run through the script's plumbing
+    VARIANTS = [(n, {**o, "block_n": 16}) for n, o in VARIANTS[:3] + VARIANTS[4:6] + VARIANTS[7:]]
 
 
 def parse_args(argv=None):
@@ -129,17 +138,18 @@ def measure(args) -> dict:
                                 args.rep)}
         first = None
         for label, opts in VARIANTS:
-            def run(opts=opts):
-                return decode_tk.decode_attention(q, store, rot, *targs, max_seq_len=ctx, **opts)
+            def run(opts=opts, report=None):
+                return decode_tk.decode_attention(q, store, rot, *targs, max_seq_len=ctx, report=report, **opts)
             try:
-                out = run()
+                grid = {}
+                out = run(report=grid)
                 if first is None:
                     first = out.float()
                     if ci == 0:  # the kernel as it was, against the plain-torch reference, once
                         ref = reference.decode_attention(q, store, rot, *targs).float()
                         row["first_vs_reference"] = ((first - ref).abs().max() / ref.abs().max()).item()
                 err = ((out.float() - first).abs().max() / first.abs().max()).item()
-                row[label] = {"ms": timed(run, args.rep), "rel_diff_vs_first": err}
+                row[label] = {"ms": timed(run, args.rep), "rel_diff_vs_first": err, "grid": grid}
                 if err > 2e-2:
                     problems.append(f"batch {batch} context {ctx} {label}: differs from the first by {err:.2e}")
             except Exception as e:  # noqa: BLE001  (a variant that does not compile is a finding, not a crash)
@@ -172,6 +182,16 @@ def markdown(res: dict) -> str:
                                           f"{max((r[x].get('rel_diff_vs_first') or 0) for x in labels):.1e}"
                                           + (f", first vs reference {r['first_vs_reference']:.1e}"
                                              if "first_vs_reference" in r else "") for r in res["rows"])]
+    grids = [(r, label) for r in res["rows"] for label in labels if r[label].get("grid", {}).get("registers")]
+    if grids:
+        out += ["", "Grids: splits per request; the split kernel's registers per thread (spilled), shared KB, "
+                    "programs resident per multiprocessor, waves of the grid.", "",
+                "| batch | context | variant | splits | registers | shared KB | resident | waves |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r, label in grids:
+            g = r[label]["grid"]
+            out.append(f"| {r['batch']} | {r['context']} | {label} | {g['splits']} | {g['registers']} "
+                       f"({g['spills']}) | {g['shared'] / 1024:.1f} | {g['resident']} | {g['waves']:.2f} |")
     out += [f"- problem: {p}" for p in res["problems"]]
     return "\n".join(out) + "\n"
 
