@@ -171,6 +171,7 @@ def test_decode_whole_waves_registers_and_report_keep_the_result():
     """The grid options (``max_registers``, ``whole_waves``: the GPU's compiler and residency, nothing on the
     interpreter) and the most splits the whole-wave rule gives (:data:`MAX_WAVE_SPLITS`, most of them empty
     here) compute the same attention; ``report`` says the split count launched."""
+    from oscar_sglang.kernels.decode import triton_kernel as dec
     from oscar_sglang.kernels.decode.triton_kernel import MAX_WAVE_SPLITS
 
     paged, rot, store = build([3, 300], 64, 64, 16, True, 9)
@@ -181,7 +182,7 @@ def test_decode_whole_waves_registers_and_report_keep_the_result():
     plain = api.decode_attention(*args, backend="triton", block_n=16, report=report)
     assert report["splits"] >= 2 and ("registers" in report) == (DEVICE == "cuda")
     for kw in ({"num_splits": MAX_WAVE_SPLITS}, {"max_registers": 128}, {"whole_waves": True, "max_seq_len": 300},
-               {"fold": True, "num_warps": 2, "max_registers": 96, "whole_waves": True}):
+               {"resident": 64}, {"fold": True, "num_warps": 2, "max_registers": 96, "whole_waves": True}):
         out = api.decode_attention(*args, backend="triton", block_n=16, **kw)
         if kw.get("fold"):  # fp16 queries and weights: within 2^-9 of the output's scale, as the fold's own test
             assert (out - want).abs().max().item() < 2**-9 * want.abs().max().item()
@@ -190,6 +191,12 @@ def test_decode_whole_waves_registers_and_report_keep_the_result():
     assert torch.allclose(plain, want, atol=ATOL, rtol=RTOL)
     with pytest.raises(ValueError, match="max_registers"):
         api.decode_attention(*args, backend="triton", max_registers=300)
+    with pytest.raises(ValueError, match="resident"):
+        api.decode_attention(*args, backend="triton", resident=0)
+    # a given residency sizes the grid as choose_splits says (the CUDA graphs' count follows the same rule)
+    sized = {}
+    api.decode_attention(*args, backend="triton", resident=3, num_warps=2, report=sized)
+    assert sized["splits"] == dec.choose_splits(2, KV, q.device, num_warps=2, resident=3) != report["splits"]
 
 
 def test_decode_bf16_query_and_empty_request():

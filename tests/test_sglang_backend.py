@@ -240,6 +240,23 @@ def test_kernel_tile_knobs_reach_the_kernels(monkeypatch, kernel, env, knob, wan
         _backend("triton")
 
 
+def test_decode_graphs_split_count_follows_the_knob_residency(monkeypatch):
+    # OSCAR_SGLANG_DECODE_KERNEL=resident=N: a captured batch size's split count (fixed before its capture) is
+    # choose_splits' whole wave of N programs per multiprocessor, as the eager decode's; unset, the fixed rule
+    from oscar_sglang.kernels.decode.triton_kernel import choose_splits
+
+    cpu = torch.device(DEVICE)
+    monkeypatch.setenv("OSCAR_SGLANG_DECODE_KERNEL", "resident=3,num_warps=2,block_n=16")
+    b = _backend("triton", context=1024)
+    assert [b._splits_for_graph(bs) for bs in (1, 2, 5)] == \
+        [choose_splits(bs, KVH, cpu, 1024, 16, 2, resident=3) for bs in (1, 2, 5)]
+    monkeypatch.delenv("OSCAR_SGLANG_DECODE_KERNEL")
+    fixed = _backend("triton", context=1024)
+    assert [fixed._splits_for_graph(bs) for bs in (1, 2, 5)] == \
+        [choose_splits(bs, KVH, cpu, 1024) for bs in (1, 2, 5)] != [b._splits_for_graph(bs) for bs in (1, 2, 5)]
+    assert _backend("torch")._splits_for_graph(1) is None  # the torch path splits nothing
+
+
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
 def test_extend_knob_sdpa_runs_every_prefill_through_the_sdpa_path(monkeypatch, kernel_backend):
     # OSCAR_SGLANG_EXTEND_KERNEL=sdpa: every extend pass of the backend goes to kernels/extend/sdpa.py (the prefix

@@ -83,14 +83,17 @@ def test_decode_kernel_knob():
     # the compiler's register bound (any integer the PTX .maxnreg takes, not a power of two)
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "fold=1,num_warps=2,max_registers=168"}) == \
         {"fold": True, "num_warps": 2, "max_registers": 168}
-    keys = "block_n, num_warps, num_stages, max_registers, dots, prefetch, hot_skip, fold$"
+    # the split count for one whole wave of this many resident programs (decode_variants' "Grids" table)
+    assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "resident=6"}) == {"resident": 6}
+    keys = "block_n, num_warps, num_stages, max_registers, resident, dots, prefetch, hot_skip, fold$"
     for bad, match in (("block_rows=64", "KEY=VALUE, each key once, of " + keys), ("sdpa", "of " + keys),
                        ("block_n=8", "power of two >= 16"), ("dots=fp16", "dots='fp16', expected one of tf32, bf16"),
                        ("prefetch=3", "expected one of 0, 1, 2"), ("hot_skip=yes", "expected one of 0, 1"),
                        ("fold=true", "expected one of 0, 1"),
                        ("block_n=48", "power of two >= 16"), ("num_warps=3", "power of two"),
                        ("max_registers=8", "within 16..255"), ("max_registers=256", "within 16..255"),
-                       ("max_registers=-1", "within 16..255")):
+                       ("max_registers=-1", "within 16..255"), ("resident=0", "within 1..64"),
+                       ("resident=65", "within 1..64")):
         with pytest.raises(st.OscarConfigError, match=match):
             st.decode_kernel_options({st.ENV_DECODE_KERNEL: bad})
 
@@ -110,8 +113,10 @@ def test_kernel_knob_keys_are_the_kernels_own():
 
     assert st.EXTEND_SDPA in api.EXTEND_BACKENDS
     params = inspect.signature(decode_kernel.decode_attention).parameters
-    assert all(isinstance(params[key].default, int) for key in st.DECODE_INT_KEYS if key != "max_registers")
+    assert all(isinstance(params[key].default, int) for key in st.DECODE_INT_KEYS if key not in st._INT_RANGES)
     assert params["max_registers"].default is None  # unset: the compiler's own choice
+    assert params["resident"].default is None  # unset: the fixed 8 warps per multiprocessor
+    assert all(key in params for key in st._INT_RANGES)
     assert st.DECODE_CHOICES["dots"] == decode_kernel.DOT_CHOICES
     assert {key: type(params[key].default) for key in ("prefetch", "hot_skip", "fold")} == \
         {"prefetch": int, "hot_skip": bool, "fold": bool}

@@ -246,7 +246,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                      block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      rotate_q_in_kernel: bool | None = None, hot_skip: bool = True,
                      prefetch: int = 1, dots: str = DOT_PRECISION, fold: bool = False,
-                     max_registers: int | None = None, whole_waves: bool = False,
+                     max_registers: int | None = None, resident: int | None = None, whole_waves: bool = False,
                      report: dict | None = None) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
 
@@ -279,9 +279,12 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     ``max_registers``: the compiler's registers per thread at most (Triton's ``maxnreg``; spills beyond).  The
     loop compiles to 220-255 on sm_90, which holds a multiprocessor to 8 warps (``kernels/occupancy.py``); 128
     doubles that at the cost of a few dozen local loads and stores per block (with ``fold`` and 2 warps: 72).
-    ``whole_waves`` (without ``num_splits``): on a GPU, the split count from the compiled kernel's residency
-    (``choose_splits(resident=...)``: one whole wave, up to :data:`MAX_WAVE_SPLITS`), not the fixed 8 warps per
-    multiprocessor; elsewhere ignored.  Variants for the GPU to time (scripts/device/decode_variants.py).
+    ``resident`` (without ``num_splits``): the split count for one whole wave of this many programs per
+    multiprocessor (``choose_splits(resident=...)``, up to :data:`MAX_WAVE_SPLITS`), not the fixed 8 warps per
+    multiprocessor: a number the GPU reported (``report``), so that a CUDA graph's split count, fixed before
+    its capture, can follow it.  ``whole_waves`` (without ``num_splits`` or ``resident``): on a GPU, the same
+    from the compiled kernel's own residency (``kernels/occupancy.py``); elsewhere ignored.  Variants for the
+    GPU to time (scripts/device/decode_variants.py).
     ``report``: a dict filled with the launch's ``splits`` and, on a GPU, the compiled split kernel's
     ``registers``, ``spills``, ``shared``, ``resident`` programs per multiprocessor and ``waves`` of the grid.
     """
@@ -297,7 +300,9 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     if bsz == 0:
         return torch.zeros_like(q)
     require_contiguous(store, rot)
-    splits = num_splits or choose_splits(bsz, kv, q.device, max_seq_len, block_n, num_warps)
+    if resident is not None and not 1 <= resident <= 64:
+        raise ValueError(f"resident must be within 1..64 programs per multiprocessor, got {resident!r}")
+    splits = num_splits or choose_splits(bsz, kv, q.device, max_seq_len, block_n, num_warps, resident)
     if rotate_q_in_kernel is None:
         rotate_q_in_kernel = rotates_q_in_kernel(bsz, kv, splits, q.device)
     if not rotate_q_in_kernel:
@@ -328,7 +333,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         return _decode_split_kernel[(bsz, kv, splits)](*args, **consts), mid_o, mid_lse
 
     on_gpu = q.device.type == "cuda" and not interpreted(_decode_split_kernel)
-    if whole_waves and num_splits is None and on_gpu:
+    if whole_waves and num_splits is None and resident is None and on_gpu:
         key = (q.device, q_in.dtype, tuple(sorted(consts.items())))
         if key not in _RESIDENT:
             compiled = launch(splits, warmup=True)

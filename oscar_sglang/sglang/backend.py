@@ -257,7 +257,8 @@ class OscarInt2AttnBackend(AttentionBackend):
             if self._uses_triton():
                 from oscar_sglang.kernels.decode.triton_kernel import choose_splits
 
-                tile = {k: v for k, v in self._decode_options.items() if k in ("block_n", "num_warps")}  # the knob's
+                tile = {k: v for k, v in self._decode_options.items()  # the knob's
+                        if k in ("block_n", "num_warps", "resident")}
                 splits = choose_splits(bs, self.pool.head_num, torch.device(self.device),
                                        max_seq_len=self.req_to_token.shape[1], **tile)
             self._graph_splits[bs] = splits

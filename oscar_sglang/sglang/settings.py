@@ -50,12 +50,15 @@ EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (n
 # benchmark's decode tile sweep found faster on a GPU (goals.py's "decode
 # tiles" line), tried on the real server the same way; unset = the defaults.
 ENV_DECODE_KERNEL = "OSCAR_SGLANG_DECODE_KERNEL"
-DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages", "max_registers")
+DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages", "max_registers", "resident")
 # and the loop's variants (kernels/decode/triton_kernel.decode_attention; pinned there by a test), e.g.
 # "dots=bf16", "prefetch=0,hot_skip=0" (the first H200 run's loop) or "fold=1" (folded scales); and
 # "max_registers=128" (the compiler's registers per thread at most, 16..255: more warps resident per
-# multiprocessor, some spills; kernels/occupancy.py)
+# multiprocessor, some spills; kernels/occupancy.py) and "resident=4" (the split count for one whole wave of
+# that many programs per multiprocessor, 1..64, as decode_variants' "Grids" table reports the compiled kernel's,
+# the CUDA graphs' split count included)
 DECODE_CHOICES = {"dots": ("tf32", "bf16"), "prefetch": ("0", "1", "2"), "hot_skip": ("0", "1"), "fold": ("0", "1")}
+_INT_RANGES = {"max_registers": (16, 255), "resident": (1, 64)}  # integer keys that are not tile sizes
 _CHOICE_VALUE = {"prefetch": int, "hot_skip": lambda raw: raw == "1", "fold": lambda raw: raw == "1"}
 
 # Concurrent requests whose sink and recent windows the BF16 hot side pool
@@ -218,7 +221,7 @@ def decode_kernel_options(environ=os.environ) -> dict:
 
 def _kernel_options(environ, name: str, int_keys: tuple, choices: dict) -> dict:
     """``KEY=VALUE,...`` of a kernel knob: integer tile keys (powers of two; ``block_n``, a dot's inner size,
-    at least 16; ``num_stages`` any positive integer; ``max_registers`` 16..255) and keys with a few ``choices`` (``dots``; the decode
+    at least 16; ``num_stages`` any positive integer; ``max_registers`` and ``resident`` in their ranges) and keys with a few ``choices`` (``dots``; the decode
     loop's ``prefetch``, ``hot_skip`` and ``fold``)."""
     value = environ.get(name, "").strip()
     keys = (*int_keys, *choices)
@@ -238,9 +241,10 @@ def _kernel_options(environ, name: str, int_keys: tuple, choices: dict) -> dict:
         if key == "num_stages":
             if n == 0:
                 raise OscarConfigError(f"{name}: {key}={raw!r}, expected a positive integer")
-        elif key == "max_registers":
-            if not 16 <= n <= 255:
-                raise OscarConfigError(f"{name}: {key}={raw!r}, expected an integer within 16..255")
+        elif key in _INT_RANGES:
+            lo, hi = _INT_RANGES[key]
+            if not lo <= n <= hi:
+                raise OscarConfigError(f"{name}: {key}={raw!r}, expected an integer within {lo}..{hi}")
         elif n == 0 or n & (n - 1) or (key == "block_n" and n < 16):
             raise OscarConfigError(f"{name}: {key}={raw!r}, expected a power of two"
                                    + (" >= 16" if key == "block_n" else ""))
