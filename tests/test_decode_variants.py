@@ -52,3 +52,48 @@ def test_report_gives_each_variants_grid_where_the_gpu_said():
     assert "Grids:" not in decode_variants.markdown({"device": "X", "triton": "3.6.0", "torch": "2.11",
                                                       "seconds": 1.0, "command": "cmd", "rows": [row],
                                                       "problems": []})
+
+
+def _rows(times: dict, grid_of=None):
+    """A report's rows, each variant at ``times[label]`` ms per case (a list, one per case)."""
+    cases = [(1, 32768), (32, 32768), (128, 16384)]
+    return [{"batch": b, "context": c, "bf16_ms": 1.0,
+             **{label: {"ms": times[label][i], "rel_diff_vs_first": 1e-3, "grid": (grid_of or {}).get(label, {})}
+                for label in times}} for i, (b, c) in enumerate(cases)]
+
+
+def test_verdict_names_the_variant_fastest_everywhere_and_the_knob_that_serves_it():
+    from oscar_sglang.sglang import settings
+
+    labels = [label for label, _ in decode_variants.VARIANTS]
+    last = labels[-1]  # the folded 2-warp loop at 128 registers, whole waves
+    times = {label: [2.0, 3.0, 4.0] for label in labels}
+    times[labels[1]] = [1.0, 2.0, 3.0]
+    times[last] = [0.5, 1.0, 2.0]
+    grid = {last: {"splits": 64, "registers": 128, "spills": 36, "shared": 10240, "num_warps": 2, "resident": 8,
+                   "waves": 0.97}}
+    line = decode_variants.verdict({"rows": _rows(times, grid)})
+    assert line.startswith(f"Fastest at every case: {last}, 1.50-2.00x the default's speed; ")
+    value = line.split("OSCAR_SGLANG_DECODE_KERNEL=")[1]
+    # (on CPU the script's variants carry block_n 16 for the interpreter)
+    assert value.startswith("fold=1,num_warps=2,max_registers=128,resident=8")
+    # what the server makes of it: the variant's options, its whole waves as the measured residency
+    opts = dict(decode_variants.VARIANTS)[last]
+    assert settings.decode_kernel_options({settings.ENV_DECODE_KERNEL: value}) == \
+        {**{k: v for k, v in opts.items() if k != "whole_waves"}, "resident": 8}
+    # every variant's knob is one the server takes
+    for label, opts in decode_variants.VARIANTS:
+        settings.decode_kernel_options({settings.ENV_DECODE_KERNEL: decode_variants.knob(opts, grid.get(last))})
+
+
+def test_verdict_when_the_default_wins_or_no_variant_wins_everywhere():
+    labels = [label for label, _ in decode_variants.VARIANTS]
+    times = {label: [2.0, 3.0, 4.0] for label in labels}
+    times[labels[1]] = [1.0, 1.0, 1.0]
+    assert "the default" in decode_variants.verdict({"rows": _rows(times)})
+    times[labels[4]] = [0.5, 5.0, 0.5]
+    line = decode_variants.verdict({"rows": _rows(times)})
+    assert line == (f"No variant was fastest at every case: b1 32768: {labels[4]}; b32 32768: {labels[1]}; "
+                    f"b128 16384: {labels[4]}.")
+    times[labels[4]] = [None, 5.0, 0.5]  # a variant that did not run somewhere is not a candidate
+    assert decode_variants.verdict({"rows": _rows(times)}).startswith("Fastest at every case: the default")

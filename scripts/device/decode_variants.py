@@ -163,6 +163,42 @@ def measure(args) -> dict:
             "command": " ".join([sys.executable, *sys.argv]), "rows": rows, "problems": problems}
 
 
+def knob(opts: dict, grid: dict | None = None) -> str:
+    """``OSCAR_SGLANG_DECODE_KERNEL``'s value that serves a variant's loop: its options as the knob's keys, with
+    ``whole_waves`` as ``resident=`` the residency the GPU reported for it (a CUDA graph's split count is fixed
+    before its capture, so the server takes the number; ``oscar_sglang/sglang/settings.py``)."""
+    parts = []
+    for key, value in opts.items():
+        if key == "whole_waves":
+            if value and grid and grid.get("resident"):
+                parts.append(f"resident={grid['resident']}")
+            continue
+        parts.append(f"{key}={int(value) if isinstance(value, bool) else value}")
+    return ",".join(parts)
+
+
+def verdict(res: dict) -> str:
+    """Which variant was fastest at every case that all ran, as how much faster than the default and the knob
+    that serves it; or each case's fastest, where none was at every one."""
+    rows = [r for r in res["rows"] if any(r[label].get("ms") for label, _ in VARIANTS)]
+    if not rows:
+        return "Fastest: nothing was timed."
+    ran = [(label, opts) for label, opts in VARIANTS if all(r[label].get("ms") for r in rows)]
+    best = [min(ran, key=lambda v: r[v[0]]["ms"]) if ran else None for r in rows]
+    default = VARIANTS[1][0]
+    if ran and all(b == best[0] for b in best):
+        label, opts = best[0]
+        if label == default:
+            return f"Fastest at every case: the default ({default}); no knob to change."
+        gains = [r[default]["ms"] / r[label]["ms"] for r in rows] if all(r[default].get("ms") for r in rows) else []
+        grid = next((r[label].get("grid") for r in rows if r[label].get("grid", {}).get("resident")), None)
+        return (f"Fastest at every case: {label}"
+                + (f", {min(gains):.2f}-{max(gains):.2f}x the default's speed" if gains else "")
+                + f"; serve it with OSCAR_SGLANG_DECODE_KERNEL={knob(opts, grid)}")
+    return "No variant was fastest at every case: " + "; ".join(
+        f"b{r['batch']} {r['context']}: {b[0] if b else '-'}" for r, b in zip(rows, best)) + "."
+
+
 def markdown(res: dict) -> str:
     labels = [label for label, _ in VARIANTS]
     out = ["# INT2 decode loop variants", "",
@@ -182,6 +218,7 @@ def markdown(res: dict) -> str:
                                           f"{max((r[x].get('rel_diff_vs_first') or 0) for x in labels):.1e}"
                                           + (f", first vs reference {r['first_vs_reference']:.1e}"
                                              if "first_vs_reference" in r else "") for r in res["rows"])]
+    out += ["", verdict(res)]
     grids = [(r, label) for r in res["rows"] for label in labels if r[label].get("grid", {}).get("registers")]
     if grids:
         out += ["", "Grids: splits per request; the split kernel's registers per thread (spilled), shared KB, "
