@@ -47,8 +47,13 @@ def test_report_gives_each_variants_grid_where_the_gpu_said():
                                      "command": "cmd", "rows": [row], "problems": []})
     grids = [x for x in text.splitlines() if x.startswith("| 32 | 32768 | default")]
     assert grids == [f"| 32 | 32768 | {labels[-1]} | 2 | 128 (36) | 10.0 | 8 | 0.48 |"]
-    # on the interpreter (no registers) no grid table at all
-    row[labels[-1]]["grid"] = {"splits": 3}
+    # on the interpreter (no registers) no grid table at all; a GPU that did not say: why, once
+    row[labels[-1]]["grid"] = {"splits": 3, "note": "registers not read: AttributeError: n_regs"}
+    row[labels[-2]]["grid"] = {"splits": 3, "note": "registers not read: AttributeError: n_regs"}
+    text = decode_variants.markdown({"device": "X", "triton": "3.6.0", "torch": "2.11", "seconds": 1.0,
+                                     "command": "cmd", "rows": [row], "problems": []})
+    assert text.count("- grid: registers not read: AttributeError: n_regs") == 1
+    row[labels[-1]]["grid"] = row[labels[-2]]["grid"] = {"splits": 3}
     assert "Grids:" not in decode_variants.markdown({"device": "X", "triton": "3.6.0", "torch": "2.11",
                                                       "seconds": 1.0, "command": "cmd", "rows": [row],
                                                       "problems": []})

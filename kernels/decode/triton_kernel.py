@@ -286,7 +286,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     from the compiled kernel's own residency (``kernels/occupancy.py``); elsewhere ignored.  Variants for the
     GPU to time (scripts/device/decode_variants.py).
     ``report``: a dict filled with the launch's ``splits`` and, on a GPU, the compiled split kernel's
-    ``registers``, ``spills``, ``shared``, ``resident`` programs per multiprocessor and ``waves`` of the grid.
+    ``registers``, ``spills``, ``shared``, ``resident`` programs per multiprocessor and ``waves`` of the grid
+    (or a ``note`` saying why they could not be read).
     """
     if prefetch not in (0, 1, 2):
         raise ValueError(f"prefetch must be 0, 1 or 2, got {prefetch!r}")
@@ -344,9 +345,12 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     if report is not None:
         report["splits"] = splits
         if on_gpu and compiled is not None:
-            resident = _resident(compiled, q.device)
-            report.update(compiled_resources(compiled), resident=resident,
-                          waves=bsz * kv * splits / max(1, resident * _processors(q.device)))
+            try:  # a diagnosis: never the decode's failure
+                resident = _resident(compiled, q.device)
+                report.update(compiled_resources(compiled), resident=resident,
+                              waves=bsz * kv * splits / max(1, resident * _processors(q.device)))
+            except Exception as e:  # noqa: BLE001
+                report["note"] = f"registers not read: {type(e).__name__}: {str(e)[:120]}"
     return merge_splits(mid_o, mid_lse, rot.v_rot, q.dtype)
 
 

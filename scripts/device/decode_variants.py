@@ -229,6 +229,9 @@ def markdown(res: dict) -> str:
             g = r[label]["grid"]
             out.append(f"| {r['batch']} | {r['context']} | {label} | {g['splits']} | {g['registers']} "
                        f"({g['spills']}) | {g['shared'] / 1024:.1f} | {g['resident']} | {g['waves']:.2f} |")
+    notes = sorted({r[label]["grid"]["note"] for r in res["rows"] for label in labels
+                    if r[label].get("grid", {}).get("note")})
+    out += [f"- grid: {n}" for n in notes]
     out += [f"- problem: {p}" for p in res["problems"]]
     return "\n".join(out) + "\n"
 
