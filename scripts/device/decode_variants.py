@@ -218,7 +218,8 @@ def markdown(res: dict) -> str:
                                           f"{max((r[x].get('rel_diff_vs_first') or 0) for x in labels):.1e}"
                                           + (f", first vs reference {r['first_vs_reference']:.1e}"
                                              if "first_vs_reference" in r else "") for r in res["rows"])]
-    out += ["", verdict(res)]
+    out += ["", ("(Triton's interpreter: its times say nothing of a GPU's) " if "interpreter" in res["device"]
+                 else "") + verdict(res)]
     grids = [(r, label) for r in res["rows"] for label in labels if r[label].get("grid", {}).get("registers")]
     if grids:
         out += ["", "Grids: splits per request; the split kernel's registers per thread (spilled), shared KB, "
