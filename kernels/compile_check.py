@@ -285,19 +285,22 @@ def _sass(cubin: bytes) -> list[tuple[int, str, str]]:
 
 
 def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
-    """Static instruction counts of a kernel's main loop (the span of its longest backward branch).
+    """Static instruction counts of a kernel's main loop: the first loop (span of a backward branch) that no
+    other contains (the decode's loop over its blocks, before the folded decode's loop over blocks with a hot
+    row; the extend kernel's over the prefix, before its causal part).
 
     ``loop``: every instruction of the loop body; ``common_path``: the body less the regions that conditional
     forward branches of more than ``skipped_min`` instructions jump over (in the decode kernel with
-    ``hot_skip``: the code of a block with a hot row), that is what one iteration over a block without hot
-    rows issues per warp; ``ops``: that path's opcodes (first word), most frequent first.
+    ``hot_skip``: the code of a block with a hot row; never a region that holds all the loop's tensor-core
+    dots, which is the loop's work), that is what one iteration over a block without hot rows issues per warp;
+    ``ops``: that path's opcodes (first word), most frequent first.
     """
     import collections
     import re
 
     sass = _sass(cubin)
     step = 16  # bytes per sm_70+ instruction
-    loop = None
+    loops = []
     skips = []
     for addr, op, line in sass:
         if not op.startswith("BRA"):
@@ -306,14 +309,24 @@ def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
         if not m:
             continue
         target = int(m.group(1), 16)
-        if target < addr and (loop is None or addr - target > loop[1] - loop[0]):
-            loop = (target, addr)
-        elif target > addr and re.search(r"@!?P\d", line) and (target - addr) // step > skipped_min:
+        if target < addr:
+            loops.append((target, addr))
+        elif re.search(r"@!?P\d", line) and (target - addr) // step > skipped_min:
             skips.append((addr + step, target))
+    outer = [a for a in loops if not any(b != a and b[0] <= a[0] and a[1] <= b[1] for b in loops)]
+    loop = min(outer) if outer else None
     if loop is None:
         return {"loop": 0, "common_path": 0, "ops": {}}
     body = [(a, op) for a, op, _ in sass if loop[0] <= a <= loop[1]]
-    path = [op for a, op in body if not any(lo <= a < hi for lo, hi in skips if loop[0] <= lo and hi <= loop[1])]
+    skips = [(lo, hi) for lo, hi in skips if loop[0] <= lo and hi <= loop[1]]
+
+    def mma(ops):
+        return any(op.startswith("HMMA") for op in ops)
+
+    if mma(op for _, op in body):  # a region that holds every dot of the loop is its work, not a rare branch
+        # (the folded decode: a block with a hot row jumps over the cold block's attention, to its own loop)
+        skips = [(lo, hi) for lo, hi in skips if mma(op for a, op in body if not lo <= a < hi)]
+    path = [op for a, op in body if not any(lo <= a < hi for lo, hi in skips)]
     ops = collections.Counter(op.split(".")[0] for op in path)
     return {"loop": len(body), "common_path": len(path), "ops": dict(ops.most_common())}
 

@@ -9,10 +9,11 @@ split decode's programs all do about the same work, so a grid of 1.5 waves
 takes as long as 2: ``kernels/decode/triton_kernel.choose_splits`` can size the
 grid to whole waves from :func:`resident_programs`.
 
-The INT2 decode loop compiles to 220-255 registers per thread on sm_90
-(``python -m oscar_sglang.kernels.compile_check``), which holds a
-multiprocessor to 8 of its 64 warps whatever the program's warps: the kernel
-hides its memory latency with the few warps it has.
+The default INT2 decode loop compiles to 220-255 registers per thread on sm_90
+(``python -m oscar_sglang.kernels.compile_check`` prints each launch's warps
+per multiprocessor), which holds a multiprocessor to 8 of its 64 warps
+whatever the program's warps: the kernel hides its memory latency with the few
+warps it has (the folded loop since 2026-12-05: 12-16).
 """
 
 from __future__ import annotations

@@ -54,8 +54,11 @@ def test_loop_counts_read_the_decode_loops_sass():
     assert r.returncode == 0, r.stderr[-4000:]
     rows = {x["launch"]: x for x in json.loads(r.stdout.strip().splitlines()[-1])}
     default, fold = rows["decode d=128 int2 gqa=4"], rows["decode variant d=128 int2 gqa=4 fold=True"]
+    assert 0 < default["common_path"] < default["loop"], default  # hot_skip's branch: skipped on a cold block
+    # the folded loop's blocks with a hot row go to a loop of their own after it: its main loop (the first) is
+    # all common path, the cold block's attention included (a forward branch jumps over it, on a hot block)
+    assert 0 < fold["common_path"] == fold["loop"], fold
     for x in (default, fold):
-        assert 0 < x["common_path"] < x["loop"], x            # hot_skip's branch: skipped on a cold block
         assert x["ops"]["HMMA"] > 0 and sum(x["ops"].values()) == x["common_path"]
     # per 64-token block and thread (4 warps): the default converts each of its 128 codes to fp32 (an I2F each)
     # before the scale-and-zero FMA; the folded loop converts none: its inline PTX puts two codes in the fp16

@@ -361,52 +361,57 @@ def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v
 
 
 @triton.jit
-def attend_fetched_block_folded(n0, end, tok_row_ptr, hot_index, entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz,
-                                k_hot, v_hot, qt0, qt1, qt2, qt3, qsum, qk_scale, m, lt, zt, o0, o1, o2, o3,
-                                k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D: tl.constexpr,
-                                K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr,
-                                K_SYM: tl.constexpr, V_SYM: tl.constexpr, PACKED: tl.constexpr,
-                                HOT_ROWS: tl.constexpr = 16):
-    """:func:`attend_fetched_block` for rows of one scale and zero each (the decode's ``fold``), transposed
-    (:func:`attend_affine_t`), over the block of tokens ``n0 + arange(BLOCK_N)`` (``< end``).  Without a hot row
-    the dots read the codes themselves (:func:`code_values`: fp16, exact), each row's scale and zero folded in
-    where they are constant (``scale c + zero``); the softmax's sum and the zeros' term are kept per row,
-    ``lt`` and ``zt`` ``[BLOCK_N, H]`` (rescaled as the outputs), and summed once at the end
-    (:func:`folded_sums`), so that a block reduces across warps for its maximum only.  With a hot row,
-    ``HOT_ROWS`` tokens at a time are looked up and fetched again, dequantized (BF16 copies where hot) and
-    attended in fp16 the same way (scale 1, zero 0), each part's sum put in row 0 of ``lt``: the parts keep
-    this rare branch's registers to a part's rows, so that it does not raise the common path's (the kernel is
-    allocated for its largest need)."""
-    BLOCK_N: tl.constexpr = kw.shape[0]
-    hot = tmask & (entry >= 0)
-    if tl.max(hot.to(tl.int32), 0) > 0:
-        first = (tl.arange(0, BLOCK_N) == 0)[:, None]
-        one = tl.full([HOT_ROWS, 1], 1.0, tl.float32)
-        for j in tl.static_range(0, BLOCK_N, HOT_ROWS):
-            t = n0 + j + tl.arange(0, HOT_ROWS)
-            tm = t < end
-            slot = block_slots(t, tm, tok_row_ptr)
-            ent = slot_entries(slot, tm, hot_index)
-            hkw, hks, hkz, hvw, hvs, hvz = fetch_block(slot, ent, tm, kvh, KV, k_codes, k_scale, k_zero,
-                                                       v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
-                                                       K_SYM, V_SYM)
-            hm = tm & (ent >= 0)
-            x0, x1, x2, x3 = dequant_rows(hkw, hks, hkz, k_hot, ent * KV + kvh, hm, D, K_BITS, False)
-            y0, y1, y2, y3 = dequant_rows(hvw, hvs, hvz, v_hot, ent * KV + kvh, hm, D, V_BITS, False)
-            m, part_alpha, part_p, o0, o1, o2, o3 = attend_affine_t(
-                x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16), one, tl.zeros_like(one),
-                y0.to(tl.float16), y1.to(tl.float16), y2.to(tl.float16), y3.to(tl.float16), one,
-                qt0, qt1, qt2, qt3, qsum, tm[:, None], qk_scale, m, o0, o1, o2, o3)
-            lt = lt * part_alpha + tl.where(first, tl.sum(part_p, 0)[None, :], 0.0)
-            zt = zt * part_alpha
-    else:
-        k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
-        v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
-        m, alpha, p, o0, o1, o2, o3 = attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs,
-                                                      qt0, qt1, qt2, qt3, qsum, tmask[:, None], qk_scale, m,
-                                                      o0, o1, o2, o3)
-        lt = lt * alpha + p
-        zt = zt * alpha + p * vz
+def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, tmask, qt0, qt1, qt2, qt3, qsum, qk_scale, m, lt, zt,
+                             o0, o1, o2, o3, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PACKED: tl.constexpr):
+    """:func:`attend_fetched_block` for a block without a hot row, of rows of one scale and zero each (the
+    decode's ``fold``), transposed (:func:`attend_affine_t`): the dots read the codes themselves
+    (:func:`code_values`: fp16, exact), each row's scale and zero folded in where they are constant
+    (``scale c + zero``); the softmax's sum and the zeros' term are kept per row, ``lt`` and ``zt``
+    ``[BLOCK_N, H]`` (rescaled as the outputs), and summed once at the end (:func:`folded_sums`), so that a
+    block reduces across warps for its maximum only.  A block with a hot row goes to
+    :func:`attend_hot_block_folded`, in a loop of its own."""
+    k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
+    v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
+    m, alpha, p, o0, o1, o2, o3 = attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs,
+                                                  qt0, qt1, qt2, qt3, qsum, tmask[:, None], qk_scale, m,
+                                                  o0, o1, o2, o3)
+    lt = lt * alpha + p
+    zt = zt * alpha + p * vz
+    return m, lt, zt, o0, o1, o2, o3
+
+
+@triton.jit
+def attend_hot_block_folded(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, qt0, qt1, qt2, qt3, qsum,
+                            qk_scale, m, lt, zt, o0, o1, o2, o3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                            D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
+                            V_G: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr, BLOCK_N: tl.constexpr,
+                            HOT_ROWS: tl.constexpr = 16):
+    """The folded loop's step over a block with a hot row, tokens ``n0 + arange(BLOCK_N)`` (``< end``):
+    ``HOT_ROWS`` tokens at a time (a loop, not unrolled) looked up and fetched again, dequantized (BF16 copies
+    where hot) and attended in fp16 as :func:`attend_cold_block_folded` (scale 1, zero 0), each part's sum put
+    in row 0 of ``lt``.  Its own loop after the cold blocks' and one part at a time: the kernel is allocated
+    registers for its largest need, and this rare branch inside the cold loop, with that loop's loads ahead
+    live, had set it (sm_90, d 128, triton 3.8: 255 registers, 8 warps per multiprocessor, at 2 and at 4
+    warps; 168 and 127 since)."""
+    first = (tl.arange(0, BLOCK_N) == 0)[:, None]
+    one = tl.full([HOT_ROWS, 1], 1.0, tl.float32)
+    for j in range(0, BLOCK_N, HOT_ROWS):
+        t = n0 + j + tl.arange(0, HOT_ROWS)
+        tm = t < end
+        slot = block_slots(t, tm, tok_row_ptr)
+        ent = slot_entries(slot, tm, hot_index)
+        hkw, hks, hkz, hvw, hvs, hvz = fetch_block(slot, ent, tm, kvh, KV, k_codes, k_scale, k_zero,
+                                                   v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
+                                                   K_SYM, V_SYM)
+        hm = tm & (ent >= 0)
+        x0, x1, x2, x3 = dequant_rows(hkw, hks, hkz, k_hot, ent * KV + kvh, hm, D, K_BITS, False)
+        y0, y1, y2, y3 = dequant_rows(hvw, hvs, hvz, v_hot, ent * KV + kvh, hm, D, V_BITS, False)
+        m, part_alpha, part_p, o0, o1, o2, o3 = attend_affine_t(
+            x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16), one, tl.zeros_like(one),
+            y0.to(tl.float16), y1.to(tl.float16), y2.to(tl.float16), y3.to(tl.float16), one,
+            qt0, qt1, qt2, qt3, qsum, tm[:, None], qk_scale, m, o0, o1, o2, o3)
+        lt = lt * part_alpha + tl.where(first, tl.sum(part_p, 0)[None, :], 0.0)
+        zt = zt * part_alpha
     return m, lt, zt, o0, o1, o2, o3
 
 

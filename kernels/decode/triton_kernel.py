@@ -25,7 +25,8 @@ import triton.language as tl
 
 from oscar_sglang.rotation import rotate_queries
 
-from ..common.triton_helpers import (attend_fetched_block, attend_fetched_block_folded, bf16_rne, block_slots,
+from ..common.triton_helpers import (attend_cold_block_folded, attend_fetched_block, attend_hot_block_folded,
+                                     bf16_rne, block_slots,
                                      fetch_block, folded_sums, load_row_pieces, rotate_rows, slot_entries,
                                      store_pieces)
 from ..interpret import interpreted
@@ -84,6 +85,8 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         a1 = tl.zeros([D // 4, BLOCK_H], tl.float32)
         a2 = tl.zeros([D // 4, BLOCK_H], tl.float32)
         a3 = tl.zeros([D // 4, BLOCK_H], tl.float32)
+        hot_lo = end  # the first and last block starts with a hot row (none: an empty range)
+        hot_hi = start - BLOCK_N
     else:
         a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)
         a1 = tl.zeros([BLOCK_H, D // 4], tl.float32)
@@ -128,11 +131,14 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
                                                      v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
                                                      K_SYM, V_SYM)
-        if FOLD:
-            m, lt, zt, a0, a1, a2, a3 = attend_fetched_block_folded(
-                n0, end, tok_row, hot_index, e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
-                q0, q1, q2, q3, qsum, qk_scale, m, lt, zt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes,
-                v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM, PACKED)
+        if FOLD:  # a block with a hot row: its first and last start noted, attended in the loop after this one
+            if tl.max((tmask & (e0 >= 0)).to(tl.int32), 0) > 0:
+                hot_lo = tl.minimum(hot_lo, n0)
+                hot_hi = n0
+            else:
+                m, lt, zt, a0, a1, a2, a3 = attend_cold_block_folded(
+                    kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt, a0, a1, a2, a3,
+                    K_BITS, V_BITS, PACKED)
         else:
             m, l, a0, a1, a2, a3 = attend_fetched_block(
                 e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
@@ -144,7 +150,16 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         elif PREFETCH == 1:
             s0, e0 = s1, e1
             s1 = s_lead
-    if FOLD:
+    if FOLD:  # the blocks with a hot row, between the first and the last (a split's are few: sink, recent)
+        for n0 in range(hot_lo, hot_hi + 1, BLOCK_N):
+            t = n0 + n
+            tmask = t < end
+            if tl.max((tmask & (slot_entries(block_slots(t, tmask, tok_row), tmask, hot_index) >= 0)).to(tl.int32),
+                      0) > 0:
+                m, lt, zt, a0, a1, a2, a3 = attend_hot_block_folded(
+                    n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt,
+                    a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS,
+                    V_G, K_SYM, V_SYM, BLOCK_N)
         l, a0, a1, a2, a3 = folded_sums(lt, zt, a0, a1, a2, a3)
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
@@ -271,14 +286,18 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     unpacked to fp16 two per instruction by inline PTX on a GPU, transposed fp16 dots so that the GQA group
     fills the MMA's 8-wide side, blocks with a hot row dequantized 16 rows at a time); for formats of one
     group per row, with ``hot_skip`` (else ignored); the rotated queries and the hot rows' BF16 copies must
-    fit fp16's range (|x| < 65504; a model's are tens, rarely hundreds).  A variant for the GPU to time
-    (scripts/device/decode_variants.py): compiled for sm_90 (kernels/compile_check.py --sass) it issues 41
-    warp-instructions per token with triton 3.6 (the default 112) and 43 with 3.8 (the default 60); 25 and 26
-    with ``num_warps=2``.
+    fit fp16's range (|x| < 65504; a model's are tens, rarely hundreds).  Blocks with a hot row are noted
+    (the first and the last) and attended in a loop of their own after the cold ones
+    (``attend_hot_block_folded``), which keeps the kernel's registers to the cold loop's need.  A variant for
+    the GPU to time (scripts/device/decode_variants.py): compiled for sm_90 (kernels/compile_check.py --sass)
+    it issues 41 warp-instructions per token with triton 3.6 (the default 112) and 48 with 3.8 (the default
+    60); 24 with ``num_warps=2`` under either, at 167-168 registers (12 warps per multiprocessor; the
+    default's 220-255: 8).
 
     ``max_registers``: the compiler's registers per thread at most (Triton's ``maxnreg``; spills beyond).  The
-    loop compiles to 220-255 on sm_90, which holds a multiprocessor to 8 warps (``kernels/occupancy.py``); 128
-    doubles that at the cost of a few dozen local loads and stores per block (with ``fold`` and 2 warps: 72).
+    default loop compiles to 220-255 on sm_90, which holds a multiprocessor to 8 warps (``kernels/occupancy.py``),
+    the folded one to 167-168 at 2 warps (12 warps); 128 gives 16, at the cost of some local loads and stores
+    (with ``fold`` and 2 warps: none in the cold loop with triton 3.8, 36 per block with 3.6).
     ``resident`` (without ``num_splits``): the split count for one whole wave of this many programs per
     multiprocessor (``choose_splits(resident=...)``, up to :data:`MAX_WAVE_SPLITS`), not the fixed 8 warps per
     multiprocessor: a number the GPU reported (``report``), so that a CUDA graph's split count, fixed before

@@ -71,18 +71,20 @@ VARIANTS = [
     ("as run 1", RUN1),
     ("prefetch 1 + hot_skip, block_n 64", {"prefetch": 1, "hot_skip": True, "block_n": 64}),
     ("default, bf16 dots", {"dots": "bf16"}),
-    # the loop compiles to 220-255 registers per thread on sm_90, so a multiprocessor holds 8 warps whatever the
-    # program's size (kernels/occupancy.py); the default grid, sized for 8 warps per multiprocessor and rounded
-    # up, can be a wave and a part: "whole waves" sizes it from the compiled kernel's residency, rounded down
+    # the default loop compiles to 220-255 registers per thread on sm_90, so a multiprocessor holds 8 warps
+    # (kernels/occupancy.py); the default grid is sized for 8 warps per multiprocessor, rounded up, which can
+    # leave residency unused (the fold: 12-16) or be a wave and a part: "whole waves" sizes it from the compiled
+    # kernel's residency, rounded down
     ("default, whole waves", {"whole_waves": True}),
     # scales folded into the logits and weights, fp16 dots over the codes unpacked by inline PTX, transposed so
-    # that the GQA group fills the MMA's 8-wide side (sm_90 per 64-token block: 684 instructions with triton 3.8,
-    # 660 with 3.6, against the default's 959 and 1797; fewer warps issue fewer per token: 2 warps 838 / 805:
-    # `python -m oscar_sglang.kernels.compile_check --sass fold`)
+    # that the GQA group fills the MMA's 8-wide side, blocks with a hot row in a loop of their own (sm_90 per
+    # 64-token block: 763 instructions with triton 3.8, 656 with 3.6, against the default's 959 and 1797; fewer
+    # warps issue fewer per token: 2 warps 771 / 774; 128-168 registers, 12-16 warps per multiprocessor against
+    # the default's 8: `python -m oscar_sglang.kernels.compile_check --sass fold`)
     ("default, fold", {"fold": True}),
     ("default, fold, 2 warps", FOLD2),
     ("default, fold, 2 warps, whole waves", {**FOLD2, "whole_waves": True}),
-    # at most 128 registers: 16 warps per multiprocessor instead of 8, for 72 local loads and stores per block
+    # at most 128 registers: 16 warps per multiprocessor instead of 12 (with 3.6, 36 local loads per block)
     ("default, fold, 2 warps, 128 registers, whole waves", {**FOLD2, "max_registers": 128, "whole_waves": True}),
 ]
 if SMOKE:  # the interpreter ignores registers and waves; the rows still run through the script's plumbing
