@@ -30,7 +30,8 @@ EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block
 # the decode loop's variants that scripts/device/decode_variants.py times (the first H200 run: latency-bound)
 # (the default since then: block_n 64, prefetch 1, hot_skip; these are the others; "whole waves" compiles as
 # the loop it sizes)
-DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"dots": "bf16"}, {"fold": True},
+DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"hot_loop": True}, {"dots": "bf16"},
+                   {"fold": True},
                    {"fold": True, "num_warps": 2}, {"fold": True, "num_warps": 2, "max_registers": 128})
 
 

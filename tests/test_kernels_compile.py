@@ -40,25 +40,31 @@ def test_kernels_compile_for_sm90():
 
 
 def test_loop_counts_read_the_decode_loops_sass():
-    """``compile_check --sass``: the main loop found in the SASS, the hot-row branch left out of the common path,
-    every opcode of that path counted, and the folded-scales decode converting no code to a float."""
+    """``compile_check --sass``: the main loop found in the SASS (the first, before any loop over blocks with a
+    hot row), the hot-row branch left out of its common path, every opcode of that path counted, and the
+    folded-scales decode converting no code to a float."""
     import triton
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
         pytest.skip("this Triton build has no bundled cuobjdump")
     code = ("import json; from oscar_sglang.kernels import compile_check as c;"
             "print(json.dumps(c.print_loop_counts('decode d=128 int2 gqa=4', 90)"
-            " + c.print_loop_counts('decode variant d=128 int2 gqa=4 fold=True', 90)))")
+            " + c.print_loop_counts('decode variant d=128 int2 gqa=4 fold=True', 90)"
+            " + c.print_loop_counts('decode variant d=128 int2 gqa=4 hot_loop=True', 90)))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = {x["launch"]: x for x in json.loads(r.stdout.strip().splitlines()[-1])}
     default, fold = rows["decode d=128 int2 gqa=4"], rows["decode variant d=128 int2 gqa=4 fold=True"]
-    assert 0 < default["common_path"] < default["loop"], default  # hot_skip's branch: skipped on a cold block
-    # the folded loop's blocks with a hot row go to a loop of their own after it: its main loop (the first) is
-    # all common path, the cold block's attention included (a forward branch jumps over it, on a hot block)
-    assert 0 < fold["common_path"] == fold["loop"], fold
-    for x in (default, fold):
+    # the default reads the hot rows' BF16 copies inside its loop, under a branch left out of the common path;
+    # with hot_loop (and the folded loop) blocks with a hot row go to a loop of their own after the main one
+    # (the first): that loop is all common path, the cold block's attention included (a forward branch jumps
+    # over it on a hot block)
+    assert 0 < default["common_path"] < default["loop"], default
+    own = rows["decode variant d=128 int2 gqa=4 hot_loop=True"]
+    for x in (fold, own):
+        assert 0 < x["common_path"] == x["loop"], x
+    for x in (default, fold, own):
         assert x["ops"]["HMMA"] > 0 and sum(x["ops"].values()) == x["common_path"]
     # per 64-token block and thread (4 warps): the default converts each of its 128 codes to fp32 (an I2F each)
     # before the scale-and-zero FMA; the folded loop converts none: its inline PTX puts two codes in the fp16

@@ -98,6 +98,29 @@ def test_pipelined_decode_loops_match_the_reference(prefetch, hot_skip):
         api.decode_attention(*args, backend="triton", prefetch=3)
 
 
+@pytest.mark.parametrize("fold,hot_loop", [(False, True), (False, False), (True, False)])
+def test_blocks_with_hot_rows_in_their_own_loop_match_the_reference(fold, hot_loop):
+    """``hot_loop`` (and the folded loop whatever it says): the blocks holding a hot row (sink, recent window)
+    noted in the loop over the blocks and attended after it, 16 rows at a time: requests of many blocks, cold
+    ones between the first and the last hot one (the second loop must pass over them), splits holding both
+    ends, one or none, blocks of one to four parts; the default (hot rows read inside the loop) the same."""
+    lens = [200, 130, 5, 64]
+    for i, (d, block_n, splits) in enumerate([(64, 64, 1), (128, 32, 3), (64, 16, 2), (128, 64, 4)]):
+        seed = 90 + 3 * i + fold
+        paged, rot, store = build(lens, d, None, 16, True, seed, sink=3, recent=20,
+                                  formats=FORMATS[0] if fold else FORMATS[(2 * i) % len(FORMATS)])
+        q = torch.randn(len(lens), KV * 4, d, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+        args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+        ref = reference.decode_attention(*args, d**-0.5)
+        out = api.decode_attention(*args, backend="triton", num_splits=splits, block_n=block_n, fold=fold,
+                                   hot_loop=hot_loop)
+        err = (out - ref).abs().max().item()
+        if fold:  # fp16 queries and weights
+            assert err < 2**-9 * ref.abs().max().item(), (i, err)
+        else:
+            assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (i, err)
+
+
 def test_decode_with_bf16_dots_is_within_bf16_rounding_of_the_reference():
     """``dots="bf16"``: queries, keys, softmax weights and values rounded to bf16 before the dots (fp32 sums)."""
     paged, rot, store = build([1, 17, 70], 128, None, 16, True, 11, formats=FORMATS[3])

@@ -85,7 +85,8 @@ def test_decode_kernel_knob():
         {"fold": True, "num_warps": 2, "max_registers": 168}
     # the split count for one whole wave of this many resident programs (decode_variants' "Grids" table)
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "resident=6"}) == {"resident": 6}
-    keys = "block_n, num_warps, num_stages, max_registers, resident, dots, prefetch, hot_skip, fold$"
+    assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "hot_loop=1"}) == {"hot_loop": True}
+    keys = "block_n, num_warps, num_stages, max_registers, resident, dots, prefetch, hot_skip, fold, hot_loop$"
     for bad, match in (("block_rows=64", "KEY=VALUE, each key once, of " + keys), ("sdpa", "of " + keys),
                        ("block_n=8", "power of two >= 16"), ("dots=fp16", "dots='fp16', expected one of tf32, bf16"),
                        ("prefetch=3", "expected one of 0, 1, 2"), ("hot_skip=yes", "expected one of 0, 1"),
@@ -118,8 +119,9 @@ def test_kernel_knob_keys_are_the_kernels_own():
     assert params["resident"].default is None  # unset: the fixed 8 warps per multiprocessor
     assert all(key in params for key in st._INT_RANGES)
     assert st.DECODE_CHOICES["dots"] == decode_kernel.DOT_CHOICES
-    assert {key: type(params[key].default) for key in ("prefetch", "hot_skip", "fold")} == \
-        {"prefetch": int, "hot_skip": bool, "fold": bool}
+    assert {key: type(params[key].default) for key in ("prefetch", "hot_skip", "fold", "hot_loop")} == \
+        {"prefetch": int, "hot_skip": bool, "fold": bool, "hot_loop": bool}
+    assert set(st.DECODE_CHOICES) - {"dots"} <= set(params)
 
 
 def test_server_env_passes_the_environment_knobs_not_a_launch_s_settings():

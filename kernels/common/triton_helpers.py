@@ -361,6 +361,50 @@ def attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v
 
 
 @triton.jit
+def attend_cold_block(kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3,
+                      K_BITS: tl.constexpr, V_BITS: tl.constexpr, PREC: tl.constexpr):
+    """:func:`attend_fetched_block` for a block without a hot row: no BF16 copy read, nor its code compiled in
+    (a block with one goes to :func:`attend_hot_block`, in a loop of its own)."""
+    MASK_K: tl.constexpr = (1 << K_BITS) - 1
+    MASK_V: tl.constexpr = (1 << V_BITS) - 1
+    k0 = kz + (kw & MASK_K).to(tl.float32) * ks
+    k1 = kz + ((kw >> K_BITS) & MASK_K).to(tl.float32) * ks
+    k2 = kz + ((kw >> (2 * K_BITS)) & MASK_K).to(tl.float32) * ks
+    k3 = kz + ((kw >> (3 * K_BITS)) & MASK_K).to(tl.float32) * ks
+    v0 = vz + (vw & MASK_V).to(tl.float32) * vs
+    v1 = vz + ((vw >> V_BITS) & MASK_V).to(tl.float32) * vs
+    v2 = vz + ((vw >> (2 * V_BITS)) & MASK_V).to(tl.float32) * vs
+    v3 = vz + ((vw >> (3 * V_BITS)) & MASK_V).to(tl.float32) * vs
+    return attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, tmask[None, :], qk_scale,
+                        m, l, a0, a1, a2, a3, PREC)
+
+
+@triton.jit
+def attend_hot_block(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qk_scale,
+                     m, l, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                     D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
+                     V_G: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr, PREC: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HOT_ROWS: tl.constexpr = 16):
+    """The decode loop's step over a block with a hot row, tokens ``n0 + arange(BLOCK_N)`` (``< end``):
+    ``HOT_ROWS`` tokens at a time (a loop, not unrolled) looked up and fetched again, dequantized with the BF16
+    copies where hot (:func:`attend_fetched_block`'s step).  In a loop of its own after the cold blocks', as
+    :func:`attend_hot_block_folded`: inside the cold loop, with that loop's loads ahead live, this rare branch
+    had set the kernel's registers (sm_90, d 128: 220 with triton 3.8, 255 and a 184-byte stack with 3.6)."""
+    for j in range(0, BLOCK_N, HOT_ROWS):
+        t = n0 + j + tl.arange(0, HOT_ROWS)
+        tm = t < end
+        slot = block_slots(t, tm, tok_row_ptr)
+        ent = slot_entries(slot, tm, hot_index)
+        hkw, hks, hkz, hvw, hvs, hvz = fetch_block(slot, ent, tm, kvh, KV, k_codes, k_scale, k_zero,
+                                                   v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
+                                                   K_SYM, V_SYM)
+        m, l, a0, a1, a2, a3 = attend_fetched_block(ent, tm, kvh, KV, hkw, hks, hkz, hvw, hvs, hvz, k_hot, v_hot,
+                                                    q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS,
+                                                    V_BITS, PREC, False)
+    return m, l, a0, a1, a2, a3
+
+
+@triton.jit
 def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, tmask, qt0, qt1, qt2, qt3, qsum, qk_scale, m, lt, zt,
                              o0, o1, o2, o3, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PACKED: tl.constexpr):
     """:func:`attend_fetched_block` for a block without a hot row, of rows of one scale and zero each (the

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from oscar_sglang.rotation import rotate_queries
 
-from ..common.triton_helpers import (attend_cold_block_folded, attend_fetched_block, attend_hot_block_folded,
-                                     bf16_rne, block_slots,
+from ..common.triton_helpers import (attend_cold_block, attend_cold_block_folded, attend_fetched_block,
+                                     attend_hot_block, attend_hot_block_folded, bf16_rne, block_slots,
                                      fetch_block, folded_sums, load_row_pieces, rotate_rows, slot_entries,
                                      store_pieces)
 from ..interpret import interpreted
@@ -54,7 +54,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                          D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                          V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
                          ROTATE_Q: tl.constexpr, HOT_SKIP: tl.constexpr, PREFETCH: tl.constexpr,
-                         FOLD: tl.constexpr, PACKED: tl.constexpr):
+                         FOLD: tl.constexpr, PACKED: tl.constexpr, HOT_LOOP: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -85,8 +85,6 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         a1 = tl.zeros([D // 4, BLOCK_H], tl.float32)
         a2 = tl.zeros([D // 4, BLOCK_H], tl.float32)
         a3 = tl.zeros([D // 4, BLOCK_H], tl.float32)
-        hot_lo = end  # the first and last block starts with a hot row (none: an empty range)
-        hot_hi = start - BLOCK_N
     else:
         a0 = tl.zeros([BLOCK_H, D // 4], tl.float32)
         a1 = tl.zeros([BLOCK_H, D // 4], tl.float32)
@@ -94,6 +92,8 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         a3 = tl.zeros([BLOCK_H, D // 4], tl.float32)
     tok_row = req_to_token + req * stride_r2t
     n = tl.arange(0, BLOCK_N)
+    hot_lo = end  # with hot_skip: the first and last block starts with a hot row (none: an empty range)
+    hot_hi = start - BLOCK_N
     # PREFETCH 0: each block's three dependent loads (slot, hot entry, rows) in turn.  Else a software pipeline
     # over them: block j+2's slots and block j+1's hot entries are loaded while block j is computed (PREFETCH 1:
     # its rows loaded then); PREFETCH 2: also block j+1's rows, and block j+3's slots, j+2's entries.  Loads past
@@ -139,7 +139,14 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 m, lt, zt, a0, a1, a2, a3 = attend_cold_block_folded(
                     kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt, a0, a1, a2, a3,
                     K_BITS, V_BITS, PACKED)
-        else:
+        elif HOT_SKIP and HOT_LOOP:  # the same: a block with a hot row noted, attended in the loop after this one
+            if tl.max((tmask & (e0 >= 0)).to(tl.int32), 0) > 0:
+                hot_lo = tl.minimum(hot_lo, n0)
+                hot_hi = n0
+            else:
+                m, l, a0, a1, a2, a3 = attend_cold_block(kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qk_scale,
+                                                         m, l, a0, a1, a2, a3, K_BITS, V_BITS, PREC)
+        else:  # the BF16 copies read here where hot (hot_skip: in a block with a hot row; the second run's loop)
             m, l, a0, a1, a2, a3 = attend_fetched_block(
                 e0, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
                 q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)
@@ -150,16 +157,23 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         elif PREFETCH == 1:
             s0, e0 = s1, e1
             s1 = s_lead
-    if FOLD:  # the blocks with a hot row, between the first and the last (a split's are few: sink, recent)
-        for n0 in range(hot_lo, hot_hi + 1, BLOCK_N):
-            t = n0 + n
-            tmask = t < end
-            if tl.max((tmask & (slot_entries(block_slots(t, tmask, tok_row), tmask, hot_index) >= 0)).to(tl.int32),
-                      0) > 0:
+    # the blocks with a hot row, between the first and the last noted (a split's are few: sink, recent)
+    for n0 in range(hot_lo, hot_hi + 1, BLOCK_N):
+        t = n0 + n
+        tmask = t < end
+        if tl.max((tmask & (slot_entries(block_slots(t, tmask, tok_row), tmask, hot_index) >= 0)).to(tl.int32),
+                  0) > 0:
+            if FOLD:
                 m, lt, zt, a0, a1, a2, a3 = attend_hot_block_folded(
                     n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt,
                     a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS,
                     V_G, K_SYM, V_SYM, BLOCK_N)
+            else:
+                m, l, a0, a1, a2, a3 = attend_hot_block(
+                    n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qk_scale, m, l,
+                    a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS,
+                    V_G, K_SYM, V_SYM, PREC, BLOCK_N)
+    if FOLD:
         l, a0, a1, a2, a3 = folded_sums(lt, zt, a0, a1, a2, a3)
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
@@ -260,7 +274,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                      num_splits: int | None = None, max_seq_len: int | None = None,
                      block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
                      rotate_q_in_kernel: bool | None = None, hot_skip: bool = True,
-                     prefetch: int = 1, dots: str = DOT_PRECISION, fold: bool = False,
+                     prefetch: int = 1, dots: str = DOT_PRECISION, fold: bool = False, hot_loop: bool = False,
                      max_registers: int | None = None, resident: int | None = None, whole_waves: bool = False,
                      report: dict | None = None) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
@@ -293,6 +307,14 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     it issues 41 warp-instructions per token with triton 3.6 (the default 112) and 48 with 3.8 (the default
     60); 24 with ``num_warps=2`` under either, at 167-168 registers (12 warps per multiprocessor; the
     default's 220-255: 8).
+
+    ``hot_loop`` (with ``hot_skip``; the folded loop always does): blocks with a hot row (the sink's, the recent
+    window's) are noted in the loop over the blocks and attended in a loop of their own after it, 16 rows at a
+    time (``attend_hot_block``): inside the loop, with its loads ahead live, that rare branch sets the kernel's
+    registers.  A variant for the GPU to time, not the default: compiled for sm_90 it helps one compiler and
+    hurts the other (d 128 INT2 GQA 4: triton 3.6, the H200 machine's, 255 registers, a 168-byte stack and
+    1797 instructions per cold block -> 200 registers, 1006 instructions; 3.8, 222 and 959 -> 168 (12 warps
+    per multiprocessor instead of 8) and 1089; d 64 GQA 8 with 3.8: 159 and 1100 -> 255, spilling, and 2141).
 
     ``max_registers``: the compiler's registers per thread at most (Triton's ``maxnreg``; spills beyond).  The
     default loop compiles to 220-255 on sm_90, which holds a multiprocessor to 8 warps (``kernels/occupancy.py``),
@@ -337,7 +359,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     consts = dict(GQ=gq, BLOCK_H=max(8 if fold else 16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
                   K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
                   K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
-                  PREFETCH=prefetch, FOLD=fold,
+                  PREFETCH=prefetch, FOLD=fold, HOT_LOOP=bool(hot_loop or fold),
                   PACKED=not interpreted(_decode_split_kernel) and torch.version.hip is None,  # inline PTX: NVIDIA only
                   num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": max_registers} if max_registers is not None else {}))
