@@ -380,6 +380,21 @@ def attend_cold_block(kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qk_scale, m
 
 
 @triton.jit
+def fetch_part(t0, end, tok_row_ptr, hot_index, kvh, KV, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+               D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr,
+               K_SYM: tl.constexpr, V_SYM: tl.constexpr, ROWS: tl.constexpr):
+    """Tokens ``t0 + arange(ROWS)`` of a request (``< end``): their mask, hot entries and stored parts
+    (:func:`fetch_block`), looked up afresh (the hot blocks' loops)."""
+    t = t0 + tl.arange(0, ROWS)
+    tm = t < end
+    slot = block_slots(t, tm, tok_row_ptr)
+    ent = slot_entries(slot, tm, hot_index)
+    kw, ks, kz, vw, vs, vz = fetch_block(slot, ent, tm, kvh, KV, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                                         D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
+    return tm, ent, kw, ks, kz, vw, vs, vz
+
+
+@triton.jit
 def attend_hot_block(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qk_scale,
                      m, l, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                      D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
@@ -389,15 +404,12 @@ def attend_hot_block(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, q0,
     ``HOT_ROWS`` tokens at a time (a loop, not unrolled) looked up and fetched again, dequantized with the BF16
     copies where hot (:func:`attend_fetched_block`'s step).  In a loop of its own after the cold blocks', as
     :func:`attend_hot_block_folded`: inside the cold loop, with that loop's loads ahead live, this rare branch
-    had set the kernel's registers (sm_90, d 128: 220 with triton 3.8, 255 and a 184-byte stack with 3.6)."""
+    sets the kernel's registers (sm_90, d 128 INT2: 222 with triton 3.8, 255 and a 168-byte stack with 3.6;
+    200 and 168 in a loop of their own, ``decode_attention(hot_loop=True)``)."""
     for j in range(0, BLOCK_N, HOT_ROWS):
-        t = n0 + j + tl.arange(0, HOT_ROWS)
-        tm = t < end
-        slot = block_slots(t, tm, tok_row_ptr)
-        ent = slot_entries(slot, tm, hot_index)
-        hkw, hks, hkz, hvw, hvs, hvz = fetch_block(slot, ent, tm, kvh, KV, k_codes, k_scale, k_zero,
-                                                   v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
-                                                   K_SYM, V_SYM)
+        tm, ent, hkw, hks, hkz, hvw, hvs, hvz = fetch_part(n0 + j, end, tok_row_ptr, hot_index, kvh, KV, k_codes,
+                                                           k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS,
+                                                           K_G, V_BITS, V_G, K_SYM, V_SYM, HOT_ROWS)
         m, l, a0, a1, a2, a3 = attend_fetched_block(ent, tm, kvh, KV, hkw, hks, hkz, hvw, hvs, hvz, k_hot, v_hot,
                                                     q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS,
                                                     V_BITS, PREC, False)
@@ -436,17 +448,13 @@ def attend_hot_block_folded(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_h
     in row 0 of ``lt``.  Its own loop after the cold blocks' and one part at a time: the kernel is allocated
     registers for its largest need, and this rare branch inside the cold loop, with that loop's loads ahead
     live, had set it (sm_90, d 128, triton 3.8: 255 registers, 8 warps per multiprocessor, at 2 and at 4
-    warps; 168 and 127 since)."""
+    warps; 168 and 128 since)."""
     first = (tl.arange(0, BLOCK_N) == 0)[:, None]
     one = tl.full([HOT_ROWS, 1], 1.0, tl.float32)
     for j in range(0, BLOCK_N, HOT_ROWS):
-        t = n0 + j + tl.arange(0, HOT_ROWS)
-        tm = t < end
-        slot = block_slots(t, tm, tok_row_ptr)
-        ent = slot_entries(slot, tm, hot_index)
-        hkw, hks, hkz, hvw, hvs, hvz = fetch_block(slot, ent, tm, kvh, KV, k_codes, k_scale, k_zero,
-                                                   v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
-                                                   K_SYM, V_SYM)
+        tm, ent, hkw, hks, hkz, hvw, hvs, hvz = fetch_part(n0 + j, end, tok_row_ptr, hot_index, kvh, KV, k_codes,
+                                                           k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS,
+                                                           K_G, V_BITS, V_G, K_SYM, V_SYM, HOT_ROWS)
         hm = tm & (ent >= 0)
         x0, x1, x2, x3 = dequant_rows(hkw, hks, hkz, k_hot, ent * KV + kvh, hm, D, K_BITS, False)
         y0, y1, y2, y3 = dequant_rows(hvw, hvs, hvz, v_hot, ent * KV + kvh, hm, D, V_BITS, False)
