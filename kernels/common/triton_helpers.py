@@ -404,7 +404,7 @@ def attend_hot_block(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, q0,
     ``HOT_ROWS`` tokens at a time (a loop, not unrolled) looked up and fetched again, dequantized with the BF16
     copies where hot (:func:`attend_fetched_block`'s step).  In a loop of its own after the cold blocks', as
     :func:`attend_hot_block_folded`: inside the cold loop, with that loop's loads ahead live, this rare branch
-    sets the kernel's registers (sm_90, d 128 INT2: 222 with triton 3.8, 255 and a 168-byte stack with 3.6;
+    sets the kernel's registers (sm_90, d 128 INT2: 220 with triton 3.8, 255 and a 184-byte stack with 3.6;
     200 and 168 in a loop of their own, ``decode_attention(hot_loop=True)``)."""
     for j in range(0, BLOCK_N, HOT_ROWS):
         tm, ent, hkw, hks, hkz, hvw, hvs, hvz = fetch_part(n0 + j, end, tok_row_ptr, hot_index, kvh, KV, k_codes,

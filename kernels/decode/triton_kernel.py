@@ -92,7 +92,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         a3 = tl.zeros([BLOCK_H, D // 4], tl.float32)
     tok_row = req_to_token + req * stride_r2t
     n = tl.arange(0, BLOCK_N)
-    hot_lo = end  # with hot_skip: the first and last block starts with a hot row (none: an empty range)
+    hot_lo = end  # HOT_LOOP: the first and last block starts with a hot row (none: an empty range)
     hot_hi = start - BLOCK_N
     # PREFETCH 0: each block's three dependent loads (slot, hot entry, rows) in turn.  Else a software pipeline
     # over them: block j+2's slots and block j+1's hot entries are loaded while block j is computed (PREFETCH 1:
@@ -139,7 +139,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 m, lt, zt, a0, a1, a2, a3 = attend_cold_block_folded(
                     kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt, a0, a1, a2, a3,
                     K_BITS, V_BITS, PACKED)
-        elif HOT_SKIP and HOT_LOOP:  # the same: a block with a hot row noted, attended in the loop after this one
+        elif HOT_LOOP:  # the same: a block with a hot row noted, attended in the loop after this one
             if tl.max((tmask & (e0 >= 0)).to(tl.int32), 0) > 0:
                 hot_lo = tl.minimum(hot_lo, n0)
                 hot_hi = n0
@@ -157,22 +157,22 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         elif PREFETCH == 1:
             s0, e0 = s1, e1
             s1 = s_lead
-    # the blocks with a hot row, between the first and the last noted (a split's are few: sink, recent)
-    for n0 in range(hot_lo, hot_hi + 1, BLOCK_N):
-        t = n0 + n
-        tmask = t < end
-        if tl.max((tmask & (slot_entries(block_slots(t, tmask, tok_row), tmask, hot_index) >= 0)).to(tl.int32),
-                  0) > 0:
-            if FOLD:
-                m, lt, zt, a0, a1, a2, a3 = attend_hot_block_folded(
-                    n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt,
-                    a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS,
-                    V_G, K_SYM, V_SYM, BLOCK_N)
-            else:
-                m, l, a0, a1, a2, a3 = attend_hot_block(
-                    n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qk_scale, m, l,
-                    a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS,
-                    V_G, K_SYM, V_SYM, PREC, BLOCK_N)
+    if HOT_LOOP:  # the blocks with a hot row, from the first to the last noted (a split's are few: sink, recent)
+        for n0 in range(hot_lo, hot_hi + 1, BLOCK_N):
+            t = n0 + n
+            tmask = t < end
+            entries = slot_entries(block_slots(t, tmask, tok_row), tmask, hot_index)
+            if tl.max((tmask & (entries >= 0)).to(tl.int32), 0) > 0:
+                if FOLD:
+                    m, lt, zt, a0, a1, a2, a3 = attend_hot_block_folded(
+                        n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qsum, qk_scale, m,
+                        lt, zt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G,
+                        V_BITS, V_G, K_SYM, V_SYM, BLOCK_N)
+                else:
+                    m, l, a0, a1, a2, a3 = attend_hot_block(
+                        n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qk_scale, m, l,
+                        a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G,
+                        V_BITS, V_G, K_SYM, V_SYM, PREC, BLOCK_N)
     if FOLD:
         l, a0, a1, a2, a3 = folded_sums(lt, zt, a0, a1, a2, a3)
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
@@ -312,9 +312,9 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     window's) are noted in the loop over the blocks and attended in a loop of their own after it, 16 rows at a
     time (``attend_hot_block``): inside the loop, with its loads ahead live, that rare branch sets the kernel's
     registers.  A variant for the GPU to time, not the default: compiled for sm_90 it helps one compiler and
-    hurts the other (d 128 INT2 GQA 4: triton 3.6, the H200 machine's, 255 registers, a 168-byte stack and
-    1797 instructions per cold block -> 200 registers, 1006 instructions; 3.8, 222 and 959 -> 168 (12 warps
-    per multiprocessor instead of 8) and 1089; d 64 GQA 8 with 3.8: 159 and 1100 -> 255, spilling, and 2141).
+    hurts the other (d 128 INT2 GQA 4: triton 3.6, the H200 machine's, 255 registers, a 184-byte stack and
+    1797 instructions per cold block -> 200 registers, 1006 instructions; 3.8, 220 and 959 -> 168 (12 warps
+    per multiprocessor instead of 8) and 1089; d 64 GQA 8 with 3.8: 162 and 1093 -> 255, spilling, and 2141).
 
     ``max_registers``: the compiler's registers per thread at most (Triton's ``maxnreg``; spills beyond).  The
     default loop compiles to 220-255 on sm_90, which holds a multiprocessor to 8 warps (``kernels/occupancy.py``),
@@ -359,7 +359,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     consts = dict(GQ=gq, BLOCK_H=max(8 if fold else 16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
                   K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
                   K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
-                  PREFETCH=prefetch, FOLD=fold, HOT_LOOP=bool(hot_loop or fold),
+                  PREFETCH=prefetch, FOLD=fold, HOT_LOOP=bool((hot_loop or fold) and hot_skip),
                   PACKED=not interpreted(_decode_split_kernel) and torch.version.hip is None,  # inline PTX: NVIDIA only
                   num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": max_registers} if max_registers is not None else {}))

@@ -72,7 +72,7 @@ VARIANTS = [
     ("prefetch 1 + hot_skip, block_n 64", {"prefetch": 1, "hot_skip": True, "block_n": 64}),
     # the blocks with a hot row in a loop of their own, after the cold ones' (as the folded loop since 2026-12-05):
     # with triton 3.6, the H200's, 200 registers and 1006 instructions per cold block instead of 255 (spilling)
-    # and 1797; with 3.8 168 and 1089 instead of 222 and 959
+    # and 1797; with 3.8 168 and 1089 instead of 220 and 959
     ("default, hot blocks in their own loop", {"hot_loop": True}),
     ("default, bf16 dots", {"dots": "bf16"}),
     # the default loop compiles to 220-255 registers per thread on sm_90, so a multiprocessor holds 8 warps
