@@ -92,16 +92,23 @@ def fetch_rows(codes_ptr, scale_ptr, zero_ptr, row, cold, D: tl.constexpr, G: tl
 
 
 @triton.jit
-def dequant_rows(word, scale, zero, hot_ptr, hot_row, hot, D: tl.constexpr, BITS: tl.constexpr,
-                 HOT_SKIP: tl.constexpr):
-    """Rows as four fp32 pieces ``[BLOCK_N, D // 4]`` from :func:`fetch_rows`' words, scale and zero, the BF16
-    copy at ``hot_row`` where ``hot``.  ``HOT_SKIP``: the BF16 copies are read only in a block with a hot row
-    (one branch per block; a long context's blocks are all cold but the sink's and the recent window's)."""
+def code_rows(word, scale, zero, BITS: tl.constexpr):
+    """Rows ``zero + code * scale`` as four fp32 pieces ``[BLOCK_N, D // 4]`` from :func:`fetch_rows`' words."""
     MASK: tl.constexpr = (1 << BITS) - 1
     x0 = zero + (word & MASK).to(tl.float32) * scale
     x1 = zero + ((word >> BITS) & MASK).to(tl.float32) * scale
     x2 = zero + ((word >> (2 * BITS)) & MASK).to(tl.float32) * scale
     x3 = zero + ((word >> (3 * BITS)) & MASK).to(tl.float32) * scale
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def dequant_rows(word, scale, zero, hot_ptr, hot_row, hot, D: tl.constexpr, BITS: tl.constexpr,
+                 HOT_SKIP: tl.constexpr):
+    """Rows as four fp32 pieces ``[BLOCK_N, D // 4]`` from :func:`fetch_rows`' words, scale and zero, the BF16
+    copy at ``hot_row`` where ``hot``.  ``HOT_SKIP``: the BF16 copies are read only in a block with a hot row
+    (one branch per block; a long context's blocks are all cold but the sink's and the recent window's)."""
+    x0, x1, x2, x3 = code_rows(word, scale, zero, BITS)
     if HOT_SKIP:
         if tl.max(hot.to(tl.int32), 0) > 0:
             x0, x1, x2, x3 = _hot_pieces(hot_ptr, hot_row, hot, x0, x1, x2, x3, D)
@@ -365,16 +372,8 @@ def attend_cold_block(kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qk_scale, m
                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, PREC: tl.constexpr):
     """:func:`attend_fetched_block` for a block without a hot row: no BF16 copy read, nor its code compiled in
     (a block with one goes to :func:`attend_hot_block`, in a loop of its own)."""
-    MASK_K: tl.constexpr = (1 << K_BITS) - 1
-    MASK_V: tl.constexpr = (1 << V_BITS) - 1
-    k0 = kz + (kw & MASK_K).to(tl.float32) * ks
-    k1 = kz + ((kw >> K_BITS) & MASK_K).to(tl.float32) * ks
-    k2 = kz + ((kw >> (2 * K_BITS)) & MASK_K).to(tl.float32) * ks
-    k3 = kz + ((kw >> (3 * K_BITS)) & MASK_K).to(tl.float32) * ks
-    v0 = vz + (vw & MASK_V).to(tl.float32) * vs
-    v1 = vz + ((vw >> V_BITS) & MASK_V).to(tl.float32) * vs
-    v2 = vz + ((vw >> (2 * V_BITS)) & MASK_V).to(tl.float32) * vs
-    v3 = vz + ((vw >> (3 * V_BITS)) & MASK_V).to(tl.float32) * vs
+    k0, k1, k2, k3 = code_rows(kw, ks, kz, K_BITS)
+    v0, v1, v2, v3 = code_rows(vw, vs, vz, V_BITS)
     return attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, tmask[None, :], qk_scale,
                         m, l, a0, a1, a2, a3, PREC)
 

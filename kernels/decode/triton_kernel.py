@@ -131,18 +131,14 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
                                                      v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
                                                      K_SYM, V_SYM)
-        if FOLD:  # a block with a hot row: its first and last start noted, attended in the loop after this one
+        if HOT_LOOP:  # a block with a hot row: its first and last start noted, attended in the loop after this one
             if tl.max((tmask & (e0 >= 0)).to(tl.int32), 0) > 0:
                 hot_lo = tl.minimum(hot_lo, n0)
                 hot_hi = n0
-            else:
+            elif FOLD:
                 m, lt, zt, a0, a1, a2, a3 = attend_cold_block_folded(
                     kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt, a0, a1, a2, a3,
                     K_BITS, V_BITS, PACKED)
-        elif HOT_LOOP:  # the same: a block with a hot row noted, attended in the loop after this one
-            if tl.max((tmask & (e0 >= 0)).to(tl.int32), 0) > 0:
-                hot_lo = tl.minimum(hot_lo, n0)
-                hot_hi = n0
             else:
                 m, l, a0, a1, a2, a3 = attend_cold_block(kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qk_scale,
                                                          m, l, a0, a1, a2, a3, K_BITS, V_BITS, PREC)
