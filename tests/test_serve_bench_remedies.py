@@ -159,7 +159,6 @@ def _serve_main(tmp_path, monkeypatch, fake_bench, *extra, log_text=""):
 
     monkeypatch.setattr(serve_bench.launcher, "local_server", fake_server)
     monkeypatch.setattr(serve_bench.launcher, "capacity", lambda url: 3 * (64 + 8))
-    monkeypatch.setattr(serve_bench.launcher, "startup_line", lambda log: "")
     monkeypatch.setattr(serve_bench.launcher, "cuda_visible", lambda: False)
     monkeypatch.setattr(serve_bench, "bench", fake_bench)
     return serve_bench.main(["--model", str(tmp_path), "--rotations", str(tmp_path), "--dataset-path", str(tmp_path),
@@ -177,12 +176,17 @@ def test_the_report_is_rewritten_after_every_run(tmp_path, monkeypatch):
         return {"wall_s": 1.0, "completed": prompts, "output_throughput": 10.0 * conc, "median_ttft_ms": 5.0,
                 "p99_ttft_ms": 6.0, "median_itl_ms": float(len(seen)), "p99_itl_ms": 9.0}
 
-    rc = _serve_main(tmp_path, monkeypatch, fake_bench, log_text="The server is fired up")
+    loop = "oscar_int2 decode loop: fold, 2 warps (fold=1,num_warps=2), timed at startup on a GPU in 9.0 s"
+    rc = _serve_main(tmp_path, monkeypatch, fake_bench, log_text=f"The server is fired up\nINFO {loop}\n")
     assert rc == 0 and len(seen) == 4  # bf16 x1, x3, then oscar-int2 x1, x3
     assert "| bf16 | 216 |" in seen[0] and "| bf16 | 64 |" not in seen[0]  # started, no run yet
     assert "| bf16 | 64 | 1 | 10.0 |" in seen[1] and "| bf16 | 64 | 3 |" not in seen[1]
     assert "| bf16 | 64 | 3 | 30.0 |" in seen[2] and "| oscar-int2 | 216 |" in seen[2]
     assert "| oscar-int2 | 64 | 1 | 10.0 | 333 | - | 5 | 6 | 3.00 |" in seen[3]  # decode tok/s: 1 x 1000 / 3 ms
+    # the INT2 server's startup timing of its decode loop, from its log, in the report and the JSON
+    assert "\nINT2 decode loop: fold, 2 warps (fold=1,num_warps=2), timed at startup" in seen[3]
+    int2 = [r for r in json.loads((tmp_path / "serve_bench.json").read_text())["results"] if r["cache"] == "oscar-int2"]
+    assert int2[0]["decode_loop"].startswith("fold, 2 warps (fold=1,num_warps=2)")
 
 
 def test_sigterm_stops_the_server_and_keeps_the_report(tmp_path):
@@ -217,7 +221,7 @@ def bench(url, args, input_len, conc, prompts, out_file, timeout=None):
 
 serve_bench.launcher.local_server = server
 serve_bench.launcher.capacity = lambda url: 1000
-serve_bench.launcher.startup_line = lambda log: ""
+serve_bench.launcher.startup_line = lambda log, *marker: ""
 serve_bench.launcher.cuda_visible = lambda: False
 serve_bench.bench = bench
 sys.exit(serve_bench.main(["--model", str(out), "--rotations", str(out), "--dataset-path", str(out), "--out",

@@ -61,8 +61,10 @@ def _artifacts(seed: int = 1, formats=None):
     return art.RotationArtifacts(FP, "unit", layers, sink=SINK, recent=RECENT, group_size=G, formats=formats)
 
 
-def _backend(kernel_backend, slots: int = 128, rows: int = 4, context: int = 64, seed: int = 1, formats=None):
-    """The backend over a real INT2 pool (hot side pool for 2 requests) and a ``rows x context`` req_to_token."""
+def _backend(kernel_backend, slots: int = 128, rows: int = 4, context: int = 64, seed: int = 1, formats=None,
+             runner_device=None):
+    """The backend over a real INT2 pool (hot side pool for 2 requests) and a ``rows x context`` req_to_token;
+    ``runner_device``: the device the model runner names (default: the pool's)."""
     from oscar_sglang.sglang.backend import OscarInt2AttnBackend
     from oscar_sglang.sglang.pool import OscarInt2Pool
     from oscar_sglang.sglang.settings import ServingConfig
@@ -73,7 +75,7 @@ def _backend(kernel_backend, slots: int = 128, rows: int = 4, context: int = 64,
     pool.kernel_backend = kernel_backend
     req_to_token = torch.zeros(rows, context, dtype=torch.int32, device=DEVICE)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-                             device=DEVICE)
+                             device=runner_device or DEVICE)
     return OscarInt2AttnBackend(runner)
 
 
@@ -255,6 +257,60 @@ def test_decode_graphs_split_count_follows_the_knob_residency(monkeypatch):
     assert [fixed._splits_for_graph(bs) for bs in (1, 2, 5)] == \
         [choose_splits(bs, KVH, cpu, 1024) for bs in (1, 2, 5)] != [b._splits_for_graph(bs) for bs in (1, 2, 5)]
     assert _backend("torch")._splits_for_graph(1) is None  # the torch path splits nothing
+
+
+def test_decode_loop_timed_at_startup_on_cuda_unless_the_knob_fixes_it(monkeypatch, caplog):
+    # On CUDA with OSCAR_SGLANG_DECODE_KERNEL unset (or "auto") the backend times the decode loop's candidates
+    # on the pool's most common layer formats (kernels/decode/autotune.py, here the real timing of two
+    # candidates under the interpreter, the runner naming "cuda" over a pool on this machine's device), serves
+    # the choice, logs it in one line, and does it once per process and shape; "default" or fixed options, a
+    # CPU server or a failing timing: nothing timed, the defaults or the knob's options.
+    from oscar_sglang.kernels.decode import autotune
+    from oscar_sglang.sglang import backend as be
+
+    one_group = [art.LayerFormat(RowFormat(2), RowFormat(2)),           # each once: the first layer's formats
+                 art.LayerFormat(RowFormat(4), RowFormat(2, 16))]       # are timed (one group per row: folded)
+    monkeypatch.setattr(autotune, "CASES", ((1, 40),))
+    monkeypatch.setattr(autotune, "CANDIDATES", (("default", {"block_n": 16}),
+                                                 ("fold, 2 warps", {"block_n": 16, "fold": True, "num_warps": 2})))
+    monkeypatch.setattr(be, "_query_heads", lambda runner: QH)
+    monkeypatch.setattr(be, "_TUNED", {})
+    timed = []
+    real_choose = autotune.choose
+
+    def choose(store, rot, q_heads, **kw):
+        timed.append((store.k_format.group_for(D), q_heads))
+        return real_choose(store, rot, q_heads, **kw)
+
+    monkeypatch.setattr(autotune, "choose", choose)
+    monkeypatch.delenv("OSCAR_SGLANG_DECODE_KERNEL", raising=False)
+    with caplog.at_level("INFO", logger="oscar_sglang.sglang.backend"):
+        b = _backend("triton", formats=one_group, runner_device="cuda")
+    assert timed == [(D, QH)]
+    assert set(b.decode_choice.ms) == {"default", "fold, 2 warps"} and b.decode_choice.label in b.decode_choice.ms
+    assert b._decode_options == b.decode_choice.options
+    assert any("oscar_int2 decode loop: " in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("OSCAR_SGLANG_DECODE_KERNEL", "auto")
+    again = _backend("triton", formats=one_group, runner_device="cuda")           # the same shape: no new timing
+    assert timed == [(D, QH)] and again.decode_choice is b.decode_choice
+    for knob, want in (("default", {}), ("fold=1,num_warps=2", {"fold": True, "num_warps": 2})):
+        monkeypatch.setenv("OSCAR_SGLANG_DECODE_KERNEL", knob)
+        fixed = _backend("triton", formats=one_group, runner_device="cuda")
+        assert (fixed.decode_choice, fixed._decode_options) == (None, want)
+    monkeypatch.delenv("OSCAR_SGLANG_DECODE_KERNEL")
+    assert _backend("triton", formats=one_group).decode_choice is None                  # a CPU server
+    assert _backend("torch", formats=one_group, runner_device="cuda").decode_choice is None  # the torch path
+    assert len(timed) == 1
+
+    def fails(*_, **__):
+        raise RuntimeError("no GPU today")
+
+    monkeypatch.setattr(autotune, "choose", fails)
+    monkeypatch.setattr(be, "_TUNED", {})
+    with caplog.at_level("WARNING", logger="oscar_sglang.sglang.backend"):
+        failed = _backend("triton", formats=one_group, runner_device="cuda")
+    assert (failed.decode_choice, failed._decode_options) == (None, {})
+    assert any("RuntimeError: no GPU today" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])

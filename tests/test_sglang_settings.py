@@ -86,8 +86,15 @@ def test_decode_kernel_knob():
     # the split count for one whole wave of this many resident programs (decode_variants' "Grids" table)
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "resident=6"}) == {"resident": 6}
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "hot_loop=1"}) == {"hot_loop": True}
-    keys = "block_n, num_warps, num_stages, max_registers, resident, dots, prefetch, hot_skip, fold, hot_loop$"
+    # unset or "auto": the loop timed at a CUDA server's startup (kernels/decode/autotune.py); "default": not
+    for value, options, timed in ((None, {}, True), ("auto", {}, True), (" auto ", {}, True), ("default", {}, False),
+                                  ("fold=1", {"fold": True}, False)):
+        env = {} if value is None else {st.ENV_DECODE_KERNEL: value}
+        assert (st.decode_kernel_options(env), st.decode_kernel_autotuned(env)) == (options, timed)
+    keys = "block_n, num_warps, num_stages, max_registers, resident, dots, prefetch, hot_skip, fold, hot_loop; " \
+        "or auto, or default$"
     for bad, match in (("block_rows=64", "KEY=VALUE, each key once, of " + keys), ("sdpa", "of " + keys),
+                       ("auto,fold=1", "of " + keys),
                        ("block_n=8", "power of two >= 16"), ("dots=fp16", "dots='fp16', expected one of tf32, bf16"),
                        ("prefetch=3", "expected one of 0, 1, 2"), ("hot_skip=yes", "expected one of 0, 1"),
                        ("fold=true", "expected one of 0, 1"),

@@ -76,7 +76,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from oscar_sglang.kernels import api as kernels
 
 from .pool import OscarInt2Pool
-from .settings import decode_kernel_options, extend_path, graph_hot_update
+from .settings import decode_kernel_autotuned, decode_kernel_options, extend_path, graph_hot_update
 
 
 _EXTEND_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -126,6 +126,9 @@ class OscarInt2AttnBackend(AttentionBackend):
         # OSCAR_SGLANG_EXTEND_KERNEL: "sdpa" (the default on CUDA), or the kernel with its tile and dots
         self._extend_backend, self._extend_options = extend_path(torch.device(self.device).type)
         self._decode_options = decode_kernel_options()      # OSCAR_SGLANG_DECODE_KERNEL: tile, if set
+        self.decode_choice = None                           # the startup timing's Choice, where it ran
+        if decode_kernel_autotuned() and torch.device(self.device).type == "cuda" and self._uses_triton():
+            self._decode_options, self.decode_choice = tuned_decode_options(self.pool, lambda: _query_heads(model_runner))
         if self._extend_backend or self._extend_options or self._decode_options:
             logger.info("oscar_int2 attention: extend %s; decode %s",
                         "through the sdpa path (kernels/extend/sdpa.py)" if self._extend_backend
@@ -331,6 +334,42 @@ class OscarInt2AttnBackend(AttentionBackend):
             raise NotImplementedError(f"the oscar_int2 attention backend does not support layer {layer.layer_id}: "
                                       + ", ".join(problems))
         self._checked_layers.add(layer.layer_id)
+
+
+# (device, query heads, KV heads, head size, K and V formats) -> (options, Choice): one timing per process
+_TUNED: dict[tuple, tuple[dict, object]] = {}
+
+
+def tuned_decode_options(pool: OscarInt2Pool, query_heads, choose=None) -> tuple[dict, object | None]:
+    """The decode loop's options timed on this GPU (``kernels/decode/autotune.py``) for ``pool``'s most common
+    layer formats and ``query_heads()`` query heads per rank, and the timing's ``Choice`` (logged); the
+    defaults (``{}``, None) with a warning if the timing fails: a server never fails to start for it.  Once
+    per process and shape (a second backend of the same model reuses it)."""
+    try:
+        if choose is None:
+            from oscar_sglang.kernels.decode.autotune import choose
+        q_heads = query_heads()
+        formats = [(lf.k, lf.v) for lf in pool.layer_formats]
+        common = max(formats, key=formats.count)     # the first of the most common
+        store, rot = pool.layer(pool.start_layer + formats.index(common))
+        key = (str(store.k_codes.device), q_heads, pool.head_num, pool.head_dim, common)
+        if key not in _TUNED:
+            choice = choose(store, rot, q_heads)
+            logger.info("oscar_int2 %s", choice.summary())
+            _TUNED[key] = (dict(choice.options), choice)
+        options, choice = _TUNED[key]
+        return dict(options), choice
+    except Exception as e:  # noqa: BLE001
+        logger.warning("oscar_int2: timing the decode loop's candidates failed (%s: %s); serving with the "
+                       "kernel's defaults", type(e).__name__, str(e)[:200])
+        return {}, None
+
+
+def _query_heads(model_runner) -> int:
+    """Query heads of one attention-tensor-parallel rank."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return model_runner.model_config.get_num_attention_heads(get_parallel().attn_tp_size)
 
 
 def _host_max(host, device_tensor: torch.Tensor) -> int:

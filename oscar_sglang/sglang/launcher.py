@@ -151,9 +151,13 @@ def capacity(url: str) -> int:
     return int(tokens)
 
 
-def startup_line(log_path) -> str | None:
-    """What the plugin's startup line (``oscar-int2 KV cache: ...``) says in a server log, or None."""
-    marker = "oscar-int2 KV cache:"
+STARTUP_MARKER = "oscar-int2 KV cache:"
+DECODE_LOOP_MARKER = "oscar_int2 decode loop:"   # the backend's line where it timed the decode loop (CUDA)
+
+
+def startup_line(log_path, marker: str = STARTUP_MARKER) -> str | None:
+    """What the plugin's startup line (``oscar-int2 KV cache: ...``), or another line of ``marker``, says in a
+    server log (its first), or None."""
     for line in Path(log_path).read_text(errors="replace").splitlines():
         if marker in line:
             return line.split(marker, 1)[1].strip()

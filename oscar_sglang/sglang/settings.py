@@ -46,10 +46,15 @@ EXTEND_SDPA = "sdpa"
 EXTEND_TRITON = "kernel"
 EXTEND_INT_KEYS = ("block_rows", "block_n", "num_warps", "num_stages")
 EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (not imported: no Triton here; a test pins them)
-# The decode kernel's tile, e.g. "block_n=64,num_warps=8": what the kernel
-# benchmark's decode tile sweep found faster on a GPU (goals.py's "decode
-# tiles" line), tried on the real server the same way; unset = the defaults.
+# The decode kernel's loop.  Unset or "auto": on CUDA the server times the
+# loop's candidates once at startup on its own GPU and Triton and keeps the
+# fastest (kernels/decode/autotune.py; its choice is logged as the value
+# that serves it); "default": the kernel's defaults, nothing timed; or
+# options fixed, e.g. "block_n=64,num_warps=8": what the kernel benchmark's
+# decode tile sweep found faster on a GPU (goals.py's "decode tiles" line),
+# tried on the real server the same way.
 ENV_DECODE_KERNEL = "OSCAR_SGLANG_DECODE_KERNEL"
+DECODE_AUTO, DECODE_DEFAULT = "auto", "default"
 DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages", "max_registers", "resident")
 # and the loop's variants (kernels/decode/triton_kernel.decode_attention; pinned there by a test), e.g.
 # "dots=bf16", "prefetch=0,hot_skip=0" (the first H200 run's loop), "hot_loop=1" (blocks with a hot row in a
@@ -218,8 +223,17 @@ def extend_path(device_type: str, environ=os.environ) -> tuple[str | None, dict]
 
 
 def decode_kernel_options(environ=os.environ) -> dict:
-    """Keyword arguments for the Triton decode kernel from :data:`ENV_DECODE_KERNEL` (``{}`` when unset)."""
+    """Keyword arguments for the Triton decode kernel from :data:`ENV_DECODE_KERNEL` (``{}`` when unset,
+    :data:`DECODE_AUTO` or :data:`DECODE_DEFAULT`)."""
+    if environ.get(ENV_DECODE_KERNEL, "").strip() in (DECODE_AUTO, DECODE_DEFAULT):
+        return {}
     return _kernel_options(environ, ENV_DECODE_KERNEL, DECODE_INT_KEYS, DECODE_CHOICES)
+
+
+def decode_kernel_autotuned(environ=os.environ) -> bool:
+    """Whether :data:`ENV_DECODE_KERNEL` leaves the decode loop to the startup timing (unset, or
+    :data:`DECODE_AUTO`); the backend does it on CUDA only."""
+    return environ.get(ENV_DECODE_KERNEL, "").strip() in ("", DECODE_AUTO)
 
 
 def _kernel_options(environ, name: str, int_keys: tuple, choices: dict) -> dict:
@@ -234,7 +248,8 @@ def _kernel_options(environ, name: str, int_keys: tuple, choices: dict) -> dict:
         if not sep or key not in keys or key in options:
             raise OscarConfigError(f"{name}={value!r}: expected comma-separated KEY=VALUE, each key "
                                    f"once, of {', '.join(keys)}"
-                                   + (f"; or {EXTEND_SDPA}, or {EXTEND_TRITON}" if name == ENV_EXTEND_KERNEL else ""))
+                                   + (f"; or {EXTEND_SDPA}, or {EXTEND_TRITON}" if name == ENV_EXTEND_KERNEL else "")
+                                   + (f"; or {DECODE_AUTO}, or {DECODE_DEFAULT}" if name == ENV_DECODE_KERNEL else ""))
         if key in choices:
             if raw not in choices[key]:
                 raise OscarConfigError(f"{name}: {key}={raw!r}, expected one of {', '.join(choices[key])}")

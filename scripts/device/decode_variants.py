@@ -49,7 +49,7 @@ if SMOKE:
 import triton  # noqa: E402
 
 from oscar_sglang.kernels import api, layout, scenario  # noqa: E402
-from oscar_sglang.kernels.decode import bf16_baseline, reference  # noqa: E402
+from oscar_sglang.kernels.decode import autotune, bf16_baseline, reference  # noqa: E402
 from oscar_sglang.kernels.decode import triton_kernel as decode_tk  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -172,15 +172,9 @@ def measure(args) -> dict:
 def knob(opts: dict, grid: dict | None = None) -> str:
     """``OSCAR_SGLANG_DECODE_KERNEL``'s value that serves a variant's loop: its options as the knob's keys, with
     ``whole_waves`` as ``resident=`` the residency the GPU reported for it (a CUDA graph's split count is fixed
-    before its capture, so the server takes the number; ``oscar_sglang/sglang/settings.py``)."""
-    parts = []
-    for key, value in opts.items():
-        if key == "whole_waves":
-            if value and grid and grid.get("resident"):
-                parts.append(f"resident={grid['resident']}")
-            continue
-        parts.append(f"{key}={int(value) if isinstance(value, bool) else value}")
-    return ",".join(parts)
+    before its capture, so the server takes the number; ``oscar_sglang/sglang/settings.py``), as the server's
+    own startup timing serves its choice (``kernels/decode/autotune.py``)."""
+    return autotune.knob_value(autotune.served_options(opts, (grid or {}).get("resident")))
 
 
 def verdict(res: dict) -> str:

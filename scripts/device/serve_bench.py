@@ -234,6 +234,9 @@ def serve_and_bench(cache: str, args, deadline: float, cpu: bool, remedies=(), l
         res["start_s"] = time.perf_counter() - t0
         res["capacity"] = launcher.capacity(url)
         res["startup_line"] = launcher.startup_line(log)
+        loop = launcher.startup_line(log, launcher.DECODE_LOOP_MARKER)
+        if loop:  # the INT2 server timed its decode loop's candidates at startup (CUDA, knob unset)
+            res["decode_loop"] = loop
         print(f"[{cache}] ready in {res['start_s']:.0f} s, capacity {res['capacity']} tokens", flush=True)
         progress(res)
         for input_len in args.input_lens:
@@ -333,6 +336,8 @@ def write_report(results: list[dict], args, cpu: bool) -> None:
     lines += [f"| {r['cache']} | {r.get('capacity', '-')} | {r.get('start_s', float('nan')):.0f} |" for r in results]
     if by.get("bf16", {}).get("capacity") and by.get("oscar-int2", {}).get("capacity"):
         lines += ["", f"Capacity ratio INT2 / BF16: {by['oscar-int2']['capacity'] / by['bf16']['capacity']:.2f}x"]
+    if by.get("oscar-int2", {}).get("decode_loop"):
+        lines += ["", f"INT2 decode loop: {by['oscar-int2']['decode_loop']}"]
     lines += ["", "Decode tok/s = concurrency x 1000 / median ITL (ms): the rate of a decode step over the whole "
                   "batch (a wave of long prompts is mostly prefill, which out tok/s = output tokens / duration "
                   "counts in).",

@@ -1,0 +1,196 @@
+"""The decode loop chosen on the machine that serves it: the candidates timed once at startup, the fastest kept.
+
+The INT2 decode has loop variants (``triton_kernel.decode_attention``'s ``fold``, ``num_warps``, ``hot_loop``,
+``whole_waves``) whose speed depends on the GPU and on the Triton version that compiles them: compiled for
+sm_90, the same loop issues half the instructions with one Triton as with another and holds a multiprocessor
+to 8 warps or to 12 (docs/KERNELS.md, "What the decode loop issues" and "How many warps a multiprocessor
+holds").  No default fits every machine, so a server times its candidates itself, once, before it captures
+CUDA graphs (``oscar_sglang/sglang/backend.py``):
+
+* each candidate decodes a synthetic store of the served layer's formats and geometry (random codes and
+  scales, pages in random order, a sink and a recent window hot per request) at :data:`CASES` (one long
+  request; a batch of shorter ones), after a warm call that compiles it;
+* its output is checked against the default's on the same inputs (the same attention, another loop: at
+  most :data:`AGREEMENT` relative to the largest value); one that differs or fails is dropped, with a note;
+* the fastest by the geometric mean of its times over the default's is kept when that is at most
+  ``1 - MARGIN`` (timing noise does not move the server off the default); else the default;
+* ``whole_waves`` becomes ``resident=N`` (the programs per multiprocessor the compiled kernel reported), the
+  number a CUDA graph's split count follows.
+
+Candidates are tried in order until ``budget_s`` is spent (the default first, always).  Nothing here imports
+SGLang; :func:`choose` works on any device (on CPU the Triton interpreter runs it, which is what the tests do;
+its times mean nothing there).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import scenario
+from ..layout import DeviceRotation, LayerStore
+from . import triton_kernel
+
+# (label, decode_attention options); the first is the default, the reference of the others; the rest in the
+# order of their promise (instructions per token and warps per multiprocessor counted for sm_90, docs/KERNELS.md),
+# so that a spent budget leaves out the least promising: the 2-warp fold (24 per token, 12 warps), the same over
+# one whole wave (no new compile), the 4-warp fold (41-48, 12-16 warps), the default loop with its hot blocks in a
+# loop of their own (fewer registers with some compilers, more with others)
+CANDIDATES: tuple[tuple[str, dict], ...] = (
+    ("default", {}),
+    ("fold, 2 warps", {"fold": True, "num_warps": 2}),
+    ("fold, 2 warps, whole waves", {"fold": True, "num_warps": 2, "whole_waves": True}),
+    ("fold", {"fold": True}),
+    ("hot blocks in their own loop", {"hot_loop": True}),
+)
+# (batch, context): ~66k slots, ~38 MB at 8 KV heads of d 128 in INT2 (and do_bench's 256 MB cache flush), freed after
+CASES: tuple[tuple[int, int], ...] = ((1, 16384), (16, 4096))
+MARGIN = 0.05       # a candidate must take at most 95% of the default's time (geometric mean over the cases)
+AGREEMENT = 2e-2    # largest |candidate - default| / largest |default| (the fold's fp16 rounding is ~1e-3)
+SINK, RECENT, PAGE = 64, 256, 16
+
+
+@dataclass
+class Choice:
+    """What :func:`choose` found: the kept candidate and what every candidate measured."""
+
+    label: str
+    options: dict                     # decode_attention keyword arguments (``resident=N`` for whole waves)
+    device: str
+    cases: tuple[tuple[int, int], ...]
+    base: str                         # the reference candidate's label (the default)
+    ms: dict[str, list[float]] = field(default_factory=dict)   # label -> ms per case (timed candidates)
+    notes: dict[str, str] = field(default_factory=dict)        # label -> why it was dropped or not timed
+    seconds: float = 0.0
+
+    def ratio(self, label: str) -> float:
+        """Geometric mean over the cases of ``label``'s time over the default's."""
+        return _geomean_ratio(self.ms[label], self.ms[self.base])
+
+    def summary(self) -> str:
+        """One line for the server's log: the choice, the knob value that serves it, every candidate's ratio."""
+        base = self.base
+        knob = knob_value(self.options) or "default"
+        head = (f"decode loop: {self.label} ({knob}), timed at startup on {self.device} in {self.seconds:.1f} s")
+        if base in self.ms and self.label != base:
+            head += f": {self.ratio(self.label):.2f}x the default's time"
+        parts = [f"{label} {self.ratio(label):.2f}" for label in self.ms if base in self.ms]
+        cases = ", ".join(f"b{b} x {n}" for b, n in self.cases)
+        tail = f"; time / default's over {cases}: " + ", ".join(parts) if parts else ""
+        dropped = "".join(f"; {label}: {note}" for label, note in self.notes.items())
+        return head + tail + dropped
+
+
+def knob_value(options: dict) -> str:
+    """``OSCAR_SGLANG_DECODE_KERNEL``'s value for ``options`` (booleans as 0/1), '' for the defaults."""
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in options.items())
+
+
+def _geomean_ratio(ms: list[float], base: list[float]) -> float:
+    return math.exp(sum(math.log(a / b) for a, b in zip(ms, base)) / len(base))
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds per call: Triton's ``do_bench`` median on a GPU (short: a startup cost); elsewhere one
+    wall-clock call after the warm one."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def synthetic_store(like: LayerStore, slots: int, hot_entries: int, seed: int) -> LayerStore:
+    """A store of ``like``'s formats and geometry on its device: random codes, scales in [0.01, 0.1], zeros in
+    [-0.2, 0.2], BF16 hot rows (``hot_index`` all cold: the caller assigns)."""
+    from ..layout import empty_store
+
+    dev = like.k_codes.device
+    store = empty_store(slots, like.kv_heads, like.head_dim, None, hot_entries, dev,
+                        k_format=like.k_format, v_format=like.v_format)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    for codes, scale, zero in ((store.k_codes, store.k_scale, store.k_zero),
+                               (store.v_codes, store.v_scale, store.v_zero)):
+        codes.copy_(torch.randint(0, 256, codes.shape, generator=g, device=dev, dtype=torch.int32))
+        scale.copy_(0.01 + 0.09 * torch.rand(scale.shape, generator=g, device=dev))
+        zero.copy_(0.4 * torch.rand(zero.shape, generator=g, device=dev) - 0.2)
+    store.k_hot.copy_(torch.randn(store.k_hot.shape, generator=g, device=dev))
+    store.v_hot.copy_(torch.randn(store.v_hot.shape, generator=g, device=dev))
+    return store
+
+
+def choose(like: LayerStore, rot: DeviceRotation, q_heads: int, *, cases=None, candidates=None,
+           budget_s: float = 45.0, timer: Callable[[Callable[[], object], torch.device], float] = timed_ms,
+           q_dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Choice:
+    """Time ``candidates`` (the first is the reference) on synthetic stores like ``like`` (the served layer's
+    formats, KV heads and head size; ``rot`` its rotation) with ``q_heads`` query heads, at ``cases``; return the
+    :class:`Choice` (module docstring); ``cases`` and ``candidates`` default to :data:`CASES` and
+    :data:`CANDIDATES`."""
+    cases, candidates = tuple(cases or CASES), tuple(candidates or CANDIDATES)
+    start = time.monotonic()
+    dev = like.k_codes.device
+    hot_per_req = lambda n: min(n, SINK + RECENT)  # noqa: E731
+    slots = max(b * (n + PAGE) for b, n in cases) + 8 * PAGE
+    store = synthetic_store(like, slots, max(b * hot_per_req(n) for b, n in cases), seed)
+    g = torch.Generator(device=dev).manual_seed(seed + 1)
+    runs = []
+    for i, (b, n) in enumerate(cases):
+        paged = scenario.paged_layout([n] * b, PAGE, seed + i, spare_pages=0, device=dev)
+        q = torch.randn(b, q_heads, like.head_dim, generator=g, device=dev).to(q_dtype)
+        runs.append((paged, q, n))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (Triton's interpreter)"
+    base_label = candidates[0][0]
+    choice = Choice(base_label, {}, name, cases, base_label)
+    reference: list[torch.Tensor] = []
+    for index, (label, opts) in enumerate(candidates):
+        if index and time.monotonic() - start > budget_s:
+            choice.notes[label] = f"not timed (the {budget_s:g} s budget spent)"
+            continue
+        try:
+            ms, resident = [], None
+            for i, (paged, q, n) in enumerate(runs):
+                scenario.assign_hot(store, paged, SINK, RECENT)
+                args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens,
+                        like.head_dim ** -0.5)
+                report: dict = {}
+                out = triton_kernel.decode_attention(*args, max_seq_len=n, report=report, **opts).float()
+                resident = report.get("resident", resident)
+                if index == 0:
+                    reference.append(out)
+                else:
+                    ref = reference[i]
+                    err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                    if not err <= AGREEMENT:
+                        raise ValueError(f"differs from the default by {err:.1e} at b{q.shape[0]} x {n}")
+                ms.append(timer(lambda: triton_kernel.decode_attention(*args, max_seq_len=n, **opts), dev))
+            choice.ms[label] = ms
+            if index and _geomean_ratio(ms, choice.ms[base_label]) <= 1 - MARGIN and (
+                    choice.label == base_label or _geomean_ratio(ms, choice.ms[choice.label]) < 1):
+                choice.label, choice.options = label, served_options(opts, resident)
+        except Exception as e:  # noqa: BLE001  (a candidate that fails is dropped, the server still starts)
+            if index == 0:
+                raise
+            choice.notes[label] = f"dropped: {type(e).__name__}: {str(e)[:160]}"
+    choice.seconds = time.monotonic() - start
+    del store, runs, reference
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()  # a server's memory is planned without these buffers
+    return choice
+
+
+def served_options(opts: dict, resident: int | None) -> dict:
+    """``opts`` as a server passes them: ``whole_waves`` as ``resident=N`` (the compiled kernel's programs per
+    multiprocessor, which a CUDA graph's split count follows), dropped where the device did not report it."""
+    out = {}
+    for key, value in opts.items():
+        if key != "whole_waves":
+            out[key] = value
+        elif value and resident:
+            out["resident"] = int(resident)
+    return out
