@@ -17,7 +17,10 @@ Measured in the same run:
   ("% copy" = (bytes the kernel must read / time) / (copy bytes read+written / time));
 * INT2: ``kernels/decode/triton_kernel.py`` (bytes: codes, scales/zeros, hot
   rows, slot and hot indices), and the same kernel over a store with INT4 keys
-  (one group per row) and INT2 values ("INT4-K"; only the keys' codes differ);
+  (one group per row) and INT2 values ("INT4-K"; only the keys' codes differ),
+  both with the loop a server serves on this device: what its startup timing
+  (``kernels/decode/autotune.py``) chooses per head size, run here first
+  (``meta.served_decode``; the default loop's time beside it where that is another);
 * BF16 baselines (bytes: K and V, plus their page/slot tables):
   ``triton_bf16`` our split-K Triton decode over the same paged layout
   (``kernels/decode/bf16_baseline.py``); ``sdpa`` torch
@@ -107,7 +110,7 @@ from oscar_sglang.kernels.write import reference as write_ref  # noqa: E402
 
 if SMOKE:
     interpret.enable()
-from oscar_sglang.kernels.decode import bf16_baseline, triton_kernel as decode_tk  # noqa: E402
+from oscar_sglang.kernels.decode import autotune, bf16_baseline, triton_kernel as decode_tk  # noqa: E402
 from oscar_sglang.kernels.write import triton_kernel as write_tk  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -143,6 +146,11 @@ else:
     TUNE_CASES = {(1, 32768), (32, 32768)}
     TUNE_GRID = [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3)]  # first = the default
 GRAPH_CASES = TUNE_CASES  # the goals' shapes, timed again in CUDA graphs (CUDA only)
+# the INT2 decode as a server runs it: the loop its startup timing chooses (kernels/decode/autotune.py), per head
+# size; its cases (smaller under the interpreter) and a shorter budget than a server's (the benchmark's own time)
+SERVED_CASES = ((1, 96), (2, 48)) if SMOKE else None
+SERVED_BUDGET_S = 20.0
+SERVED: dict[int, dict] = {}   # d -> {"options", "knob", "summary"} (meta["served_decode"])
 
 
 def timed(fn) -> float:
@@ -282,6 +290,7 @@ def bench_decode(copy_GBps: float, sdpa: bl.Sdpa, fi: bl.FlashInferDecode, probl
             skipped += [{"d": d, "batch": b, "context": c, "reason": "out of memory"} for b, c in fits]
             continue
         rot = scenario.random_rotation(KV_HEADS, d, 0, device=DEVICE)
+        served = served_loop(d, store, rot, problems)
         done = []  # (row, kept inputs for the FlashInfer pass)
         for batch, ctx in fits:
             if time.time() - START > ARGS.budget_s:
@@ -290,7 +299,7 @@ def bench_decode(copy_GBps: float, sdpa: bl.Sdpa, fi: bl.FlashInferDecode, probl
                 continue
             try:  # one failing case (e.g. out of memory) is listed, the others still run
                 done.append(decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sdpa,
-                                        fi, problems))
+                                        fi, problems, served))
             except Exception as e:  # noqa: BLE001
                 reason = f"failed: {type(e).__name__}: {str(e)[:300]}"
                 skipped.append({"d": d, "batch": batch, "context": ctx, "reason": reason})
@@ -311,6 +320,21 @@ def bench_decode(copy_GBps: float, sdpa: bl.Sdpa, fi: bl.FlashInferDecode, probl
             torch.cuda.empty_cache()
 
 
+def served_loop(d: int, store: layout.LayerStore, rot, problems: list[str]) -> dict:
+    """The decode options a server would serve on this device for head size ``d`` (its startup timing,
+    ``autotune.choose``, over stores of this benchmark's formats and heads), recorded in :data:`SERVED`; the
+    defaults if that timing fails (a problem of the report, not of the benchmark)."""
+    try:
+        choice = autotune.choose(store, rot, KV_HEADS * GQA, cases=SERVED_CASES, budget_s=SERVED_BUDGET_S)
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"d={d}: the startup timing of the decode loop failed: {type(e).__name__}: {str(e)[:200]}")
+        return {}
+    SERVED[d] = {"options": choice.options, "knob": autotune.knob_value(choice.options) or "default",
+                 "summary": choice.summary()}
+    print(f"d={d}: {choice.summary()}", flush=True)
+    return dict(choice.options)
+
+
 def _case_inputs(d, batch, ctx, store):
     paged = scenario.paged_layout([ctx] * batch, PAGE, batch + ctx, spare_pages=0, device=DEVICE)
     hot_per_req = min(ctx, SINK + RECENT)
@@ -321,8 +345,11 @@ def _case_inputs(d, batch, ctx, store):
 
 
 def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sdpa, fi,
-                problems) -> tuple[dict, dict]:
-    """INT2, INT4-K, Triton BF16 and SDPA on one case: the row, and what the FlashInfer pass needs."""
+                problems, served: dict | None = None) -> tuple[dict, dict]:
+    """INT2, INT4-K, Triton BF16 and SDPA on one case: the row, and what the FlashInfer pass needs.  The INT2
+    and INT4-K decodes run with ``served``, the options a server's startup timing chose (:func:`served_loop`);
+    where those are not the defaults the default loop is timed too (``int2_default_ms``)."""
+    served = served or {}
     paged, hot_per_req, st, q = _case_inputs(d, batch, ctx, store)
     targs = (paged.req_to_token, paged.req_pool_indices, paged.seq_lens, scale)
     row = {"d": d, "gqa": GQA, "q_heads": KV_HEADS * GQA, "kv_heads": KV_HEADS, "batch": batch, "context": ctx,
@@ -330,14 +357,18 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
            "splits": decode_tk.choose_splits(batch, KV_HEADS, DEVICE, ctx)}
     where = f"d={d} batch={batch} ctx={ctx}"
 
-    row["int2_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx))
+    row["int2_loop"] = autotune.knob_value(served) or "default"
+    row["int2_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **served))
+    if served:
+        row["int2_default_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx))
     # where the queries are rotated: the automatic choice (timed above) against the other one
     in_kernel = decode_tk.rotates_q_in_kernel(batch, KV_HEADS, row["splits"], DEVICE)
     row["q_rot"] = "kernel" if in_kernel else "torch"
     row["int2_other_q_rot_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx,
-                                                                          rotate_q_in_kernel=not in_kernel))
+                                                                          rotate_q_in_kernel=not in_kernel,
+                                                                          **served))
     st4 = with_keys(st, k4)  # the same tokens, hot rows and values; INT4 keys
-    row["int4k_ms"] = timed(lambda: decode_tk.decode_attention(q, st4, rot, *targs, max_seq_len=ctx))
+    row["int4k_ms"] = timed(lambda: decode_tk.decode_attention(q, st4, rot, *targs, max_seq_len=ctx, **served))
 
     def tbf16():
         return bf16_baseline.decode_attention_bf16(q, kb, vb, *targs, max_seq_len=ctx)
@@ -375,7 +406,7 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
             if not row[key] < TOL_BASELINE:
                 problems.append(f"{where}: {key} = {row[key]:.2e} > {TOL_BASELINE}")
     if DEVICE.type == "cuda" and (batch, ctx) in GRAPH_CASES:
-        fns = {"int2": lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx),
+        fns = {"int2": lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **served),
                "triton_bf16": tbf16}
         if row.get("sdpa_ms") is not None:
             fns["sdpa"] = bl.in_backend(backend, next(fn for form, fn, _ in runs if form == row["sdpa_backend"]))
@@ -523,10 +554,18 @@ def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: l
                   "speed.**", ""]
     if problems:
         lines += ["**Problems:**", ""] + [f"- {p}" for p in problems] + [""]
+    served = meta.get("served_decode") or {}
     lines += ["## Decode time (ms; bold = fastest BF16)", "",
               "speedup = fastest BF16 / INT2; INT4-K = the same kernel with INT4 keys (one group per row) and "
-              "INT2 values, its speedup likewise.", "",
-              "| d | batch | context | BF16 K+V GiB | splits | INT2 | INT4-K | Triton BF16 | SDPA | SDPA backend "
+              "INT2 values, its speedup likewise.", ""]
+    if served:  # the INT2 columns are the loop a server's startup timing chose on this device
+        lines += ["INT2 and INT4-K: the decode loop as a server serves it on this device, chosen by its startup "
+                  "timing (`kernels/decode/autotune.py`) per head size: "
+                  + "; ".join(f"d={d}: `{c['knob']}` ({c['summary']})" for d, c in sorted(served.items()))
+                  + ". The default loop's time where that is another: "
+                  + (", ".join(f"d{r['d']} b{r['batch']} {r['context']}: {r['int2_default_ms']:.3f}"
+                               for r in decode if r.get("int2_default_ms") is not None) or "none") + ".", ""]
+    lines += ["| d | batch | context | BF16 K+V GiB | splits | INT2 | INT4-K | Triton BF16 | SDPA | SDPA backend "
               "| FlashInfer | speedup | INT4-K speedup | vs Triton BF16 |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in decode:
@@ -660,6 +699,7 @@ def main() -> int:
     finally:
         fi.close()
     meta["decode_seconds"] = round(time.time() - t0, 1)
+    meta["served_decode"] = SERVED
     meta["sdpa_refused"] = sdpa.refused
     meta["flashinfer"] = fi.version or "-"
     meta["flashinfer_status"] = (

@@ -190,6 +190,14 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
         assert row["smoke_page_table_vs_fp32"] < 1e-3 and row["smoke_triton_bf16_vs_fp32"] < 2e-2
         assert row["int4k_ms"] > 0 and row["int4k_MB"] > row["int2_MB"] and row["speedup_int4k"] > 0
         assert row["q_rot"] in ("kernel", "torch") and row["int2_other_q_rot_ms"] > 0
+    # the INT2 columns are the loop a server's startup timing chose here (per head size), the default beside it
+    served = data["meta"]["served_decode"]
+    assert set(served) == {"128", "64"} and all(c["summary"].startswith("decode loop: ") for c in served.values())
+    for row in data["decode"]:
+        assert row["int2_loop"] == served[str(row["d"])]["knob"]
+        assert (row.get("int2_default_ms") is None) == (row["int2_loop"] == "default")
+    assert "chosen by its startup timing (`kernels/decode/autotune.py`) per head size: d=64: `" in \
+        (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
     assert set(data["check"]["per_format"]) == {"int2", "int4k"}
     assert {(r["d"], r["formats"]) for r in data["write"]} == {(d, f) for d in (64, 128) for f in ("int2", "int4k")}
     assert [r["batch"] for r in data["hot_update"]] == [1, 4]
