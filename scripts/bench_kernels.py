@@ -150,7 +150,7 @@ GRAPH_CASES = TUNE_CASES  # the goals' shapes, timed again in CUDA graphs (CUDA 
 # size; its cases (smaller under the interpreter) and a shorter budget than a server's (the benchmark's own time)
 SERVED_CASES = ((1, 96), (2, 48)) if SMOKE else None
 SERVED_BUDGET_S = 20.0
-SERVED: dict[int, dict] = {}   # d -> {"options", "knob", "summary"} (meta["served_decode"])
+SERVED: dict[int, dict] = {}   # d -> {"cases", "knobs" (per case), "summary"} (meta["served_decode"])
 
 
 def timed(fn) -> float:
@@ -320,19 +320,21 @@ def bench_decode(copy_GBps: float, sdpa: bl.Sdpa, fi: bl.FlashInferDecode, probl
             torch.cuda.empty_cache()
 
 
-def served_loop(d: int, store: layout.LayerStore, rot, problems: list[str]) -> dict:
-    """The decode options a server would serve on this device for head size ``d`` (its startup timing,
-    ``autotune.choose``, over stores of this benchmark's formats and heads), recorded in :data:`SERVED`; the
-    defaults if that timing fails (a problem of the report, not of the benchmark)."""
+def served_loop(d: int, store: layout.LayerStore, rot, problems: list[str]):
+    """The decode loop a server would serve on this device for head size ``d`` (its startup timing,
+    ``autotune.choose``, over stores of this benchmark's formats and heads: a ``Choice``, whose
+    ``options_for(batch)`` each case runs with), recorded in :data:`SERVED`; None (the defaults) if that timing
+    fails (a problem of the report, not of the benchmark)."""
     try:
         choice = autotune.choose(store, rot, KV_HEADS * GQA, cases=SERVED_CASES, budget_s=SERVED_BUDGET_S)
     except Exception as e:  # noqa: BLE001
         problems.append(f"d={d}: the startup timing of the decode loop failed: {type(e).__name__}: {str(e)[:200]}")
-        return {}
-    SERVED[d] = {"options": choice.options, "knob": autotune.knob_value(choice.options) or "default",
+        return None
+    SERVED[d] = {"cases": [list(c) for c in choice.cases],
+                 "knobs": [autotune.knob_value(opts) or "default" for _, opts in choice.picks],
                  "summary": choice.summary()}
     print(f"d={d}: {choice.summary()}", flush=True)
-    return dict(choice.options)
+    return choice
 
 
 def _case_inputs(d, batch, ctx, store):
@@ -345,11 +347,12 @@ def _case_inputs(d, batch, ctx, store):
 
 
 def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sdpa, fi,
-                problems, served: dict | None = None) -> tuple[dict, dict]:
+                problems, served=None) -> tuple[dict, dict]:
     """INT2, INT4-K, Triton BF16 and SDPA on one case: the row, and what the FlashInfer pass needs.  The INT2
-    and INT4-K decodes run with ``served``, the options a server's startup timing chose (:func:`served_loop`);
-    where those are not the defaults the default loop is timed too (``int2_default_ms``)."""
-    served = served or {}
+    and INT4-K decodes run with the options a server's startup timing chose for this batch (``served``, the
+    ``Choice`` of :func:`served_loop`); where those are not the defaults the default loop is timed too
+    (``int2_default_ms``)."""
+    served = served.options_for(batch) if served is not None else {}
     paged, hot_per_req, st, q = _case_inputs(d, batch, ctx, store)
     targs = (paged.req_to_token, paged.req_pool_indices, paged.seq_lens, scale)
     row = {"d": d, "gqa": GQA, "q_heads": KV_HEADS * GQA, "kv_heads": KV_HEADS, "batch": batch, "context": ctx,
@@ -561,7 +564,9 @@ def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: l
     if served:  # the INT2 columns are the loop a server's startup timing chose on this device
         lines += ["INT2 and INT4-K: the decode loop as a server serves it on this device, chosen by its startup "
                   "timing (`kernels/decode/autotune.py`) per head size: "
-                  + "; ".join(f"d={d}: `{c['knob']}` ({c['summary']})" for d, c in sorted(served.items()))
+                  + "; ".join(f"d={d}: " + ", ".join(f"b{b} x {n} `{k}`" for (b, n), k in zip(c["cases"], c["knobs"]))
+                              + f" ({c['summary']})" for d, c in sorted(served.items()))
+                  + " (a batch runs with the pick of the case nearest its size)"
                   + ". The default loop's time where that is another: "
                   + (", ".join(f"d{r['d']} b{r['batch']} {r['context']}: {r['int2_default_ms']:.3f}"
                                for r in decode if r.get("int2_default_ms") is not None) or "none") + ".", ""]

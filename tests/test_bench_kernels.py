@@ -8,6 +8,7 @@ the same attention in torch.  What the real library does is only checked on a GP
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -193,10 +194,13 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
     # the INT2 columns are the loop a server's startup timing chose here (per head size), the default beside it
     served = data["meta"]["served_decode"]
     assert set(served) == {"128", "64"} and all(c["summary"].startswith("decode loop: ") for c in served.values())
-    for row in data["decode"]:
-        assert row["int2_loop"] == served[str(row["d"])]["knob"]
+    for row in data["decode"]:                   # the pick of the timed case nearest the row's batch
+        c = served[str(row["d"])]
+        nearest = min(range(len(c["cases"])), key=lambda i: (abs(math.log(row["batch"] / c["cases"][i][0])),
+                                                              c["cases"][i][0]))
+        assert row["int2_loop"] == c["knobs"][nearest]
         assert (row.get("int2_default_ms") is None) == (row["int2_loop"] == "default")
-    assert "chosen by its startup timing (`kernels/decode/autotune.py`) per head size: d=64: `" in \
+    assert "chosen by its startup timing (`kernels/decode/autotune.py`) per head size: d=64: b1 x 96 `" in \
         (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
     assert set(data["check"]["per_format"]) == {"int2", "int4k"}
     assert {(r["d"], r["formats"]) for r in data["write"]} == {(d, f) for d in (64, 128) for f in ("int2", "int4k")}

@@ -55,33 +55,56 @@ def _timer(calls, ms_by_label, per_case=None):
     return timer
 
 
-def test_keeps_the_fastest_candidate_that_agrees_with_the_default(calls):
+def test_keeps_per_case_the_fastest_candidate_that_agrees_with_the_default(calls):
     like, rot = _like()
     ms = {"default": 1.0, "fold": 0.8, "fold, 2 warps": 0.5, "fold, 2 warps, whole waves": 0.55}
     choice = autotune.choose(like, rot, QH, cases=CASES, candidates=CANDIDATES, timer=_timer(calls, ms, [1.0, 3.0]))
-    assert choice.label == "fold, 2 warps"
-    assert choice.options == {"block_n": 16, "fold": True, "num_warps": 2}
+    two_warps = {"block_n": 16, "fold": True, "num_warps": 2}
+    assert choice.picks == [("fold, 2 warps", two_warps)] * 2
+    assert choice.options_for(1) == choice.options_for(64) == two_warps
     assert set(choice.ms) == set(ms) and not choice.notes
     assert choice.ms["fold"] == pytest.approx([0.8, 2.4])
-    assert choice.ratio("fold, 2 warps") == pytest.approx(0.5)
+    assert choice.ratio("fold, 2 warps", 1) == pytest.approx(0.5)
     line = choice.summary()
-    assert "decode loop: fold, 2 warps (block_n=16,fold=1,num_warps=2)" in line
-    assert "0.50x the default's time" in line and "fold 0.80" in line
+    assert line.startswith("decode loop: b1 x 80: fold, 2 warps (block_n=16,fold=1,num_warps=2, 0.50x the "
+                           "default's time); b3 x 40: fold, 2 warps (")
+    assert "fold 0.80/0.80" in line
     # each candidate decoded every case twice (the agreement check, then the timing), the default first
     assert [autotune.knob_value(c) for c in calls[:4]] == ["block_n=16"] * 4
     assert len(calls) == 2 * len(CASES) * len(CANDIDATES)
+
+
+def test_each_batch_gets_the_pick_of_the_nearest_case(calls):
+    """Batch 1 and larger batches may want different loops: the picks are per case, a batch takes the nearest."""
+    like, rot = _like()
+    times = {"default": [1.0, 1.0], "fold": [0.7, 1.2], "fold, 2 warps": [0.9, 0.6],
+             "fold, 2 warps, whole waves": [1.0, 0.99]}
+    seen = {}
+
+    def timer(fn, device):
+        fn()
+        label = next(label for label, opts in CANDIDATES if opts == calls[-1])
+        seen[label] = seen.get(label, -1) + 1
+        return times[label][seen[label]]
+
+    choice = autotune.choose(like, rot, QH, cases=((1, 80), (4, 40)), candidates=CANDIDATES, timer=timer)
+    assert [label for label, _ in choice.picks] == ["fold", "fold, 2 warps"]
+    assert choice.options_for(1) == {"block_n": 16, "fold": True}
+    assert choice.options_for(2) == choice.options_for(1)         # 2 is nearer 1 than 4 (in ratio)
+    assert choice.options_for(3) == choice.options_for(64) == {"block_n": 16, "fold": True, "num_warps": 2}
+    assert "b1 x 80: fold (block_n=16,fold=1, 0.70x" in choice.summary()
 
 
 def test_the_default_stays_within_the_margin_and_when_the_budget_is_spent(calls):
     like, rot = _like()
     near = {"default": 1.0, "fold": 0.97, "fold, 2 warps": 0.96, "fold, 2 warps, whole waves": 0.99}
     choice = autotune.choose(like, rot, QH, cases=CASES[:1], candidates=CANDIDATES, timer=_timer(calls, near))
-    assert (choice.label, choice.options) == ("default", {})
-    assert "decode loop: default (default)" in choice.summary()
+    assert choice.picks == [("default", {"block_n": 16})] and choice.options_for(1) == {"block_n": 16}
+    assert choice.summary().startswith("decode loop: b1 x 80: default (block_n=16); timed at startup on ")
     calls.clear()
     spent = autotune.choose(like, rot, QH, cases=CASES[:1], candidates=CANDIDATES, budget_s=0,
                             timer=_timer(calls, near))
-    assert list(spent.ms) == ["default"] and spent.label == "default"
+    assert list(spent.ms) == ["default"] and spent.picks == [("default", {"block_n": 16})]
     assert set(spent.notes) == {label for label, _ in CANDIDATES[1:]}
     assert all("budget" in note for note in spent.notes.values())
 
@@ -99,7 +122,7 @@ def test_a_candidate_that_disagrees_or_fails_is_dropped_and_the_default_must_run
     ms = {"default": 1.0, "fold": 0.9, "fold, 2 warps": 0.1}
     timer = _timer(calls, ms)
     choice = autotune.choose(like, rot, QH, cases=CASES[:1], candidates=broken, timer=timer)
-    assert choice.label == "fold"                          # the fastest, 2 warps, differs: dropped
+    assert choice.picks == [("fold", {"block_n": 16, "fold": True})]   # the fastest, 2 warps, differs: dropped
     assert "differs from the default by" in choice.notes["fold, 2 warps"]
     assert choice.notes["prefetch 7"].startswith("dropped: ValueError")
     assert set(choice.ms) == {"default", "fold"}

@@ -287,8 +287,9 @@ def test_decode_loop_timed_at_startup_on_cuda_unless_the_knob_fixes_it(monkeypat
     with caplog.at_level("INFO", logger="oscar_sglang.sglang.backend"):
         b = _backend("triton", formats=one_group, runner_device="cuda")
     assert timed == [(D, QH)]
-    assert set(b.decode_choice.ms) == {"default", "fold, 2 warps"} and b.decode_choice.label in b.decode_choice.ms
-    assert b._decode_options == b.decode_choice.options
+    assert set(b.decode_choice.ms) == {"default", "fold, 2 warps"}
+    assert b.decode_choice.picks[0][0] in b.decode_choice.ms
+    assert b._decode_options_for(1) == b.decode_choice.options_for(1) == b.decode_choice.picks[0][1]
     assert any("oscar_int2 decode loop: " in r.getMessage() for r in caplog.records)
     monkeypatch.setenv("OSCAR_SGLANG_DECODE_KERNEL", "auto")
     again = _backend("triton", formats=one_group, runner_device="cuda")           # the same shape: no new timing
@@ -296,7 +297,7 @@ def test_decode_loop_timed_at_startup_on_cuda_unless_the_knob_fixes_it(monkeypat
     for knob, want in (("default", {}), ("fold=1,num_warps=2", {"fold": True, "num_warps": 2})):
         monkeypatch.setenv("OSCAR_SGLANG_DECODE_KERNEL", knob)
         fixed = _backend("triton", formats=one_group, runner_device="cuda")
-        assert (fixed.decode_choice, fixed._decode_options) == (None, want)
+        assert (fixed.decode_choice, fixed._decode_options_for(1), fixed._decode_options_for(64)) == (None, want, want)
     monkeypatch.delenv("OSCAR_SGLANG_DECODE_KERNEL")
     assert _backend("triton", formats=one_group).decode_choice is None                  # a CPU server
     assert _backend("torch", formats=one_group, runner_device="cuda").decode_choice is None  # the torch path
@@ -309,8 +310,52 @@ def test_decode_loop_timed_at_startup_on_cuda_unless_the_knob_fixes_it(monkeypat
     monkeypatch.setattr(be, "_TUNED", {})
     with caplog.at_level("WARNING", logger="oscar_sglang.sglang.backend"):
         failed = _backend("triton", formats=one_group, runner_device="cuda")
-    assert (failed.decode_choice, failed._decode_options) == (None, {})
+    assert (failed.decode_choice, failed._decode_options_for(1)) == (None, {})
     assert any("RuntimeError: no GPU today" in r.getMessage() for r in caplog.records)
+
+
+def test_the_timed_choice_is_served_per_batch_size(monkeypatch):
+    # The startup timing keeps a loop per case (batch 1, batch 16): a batch gets the pick of the case nearest
+    # its size, in the eager decode's kernel calls and in a CUDA graph's split count (fixed before capture);
+    # the decodes still agree with dense attention.
+    import sys
+
+    from oscar_sglang.kernels import api
+    from oscar_sglang.kernels.decode import autotune
+    from oscar_sglang.kernels.decode.triton_kernel import choose_splits
+    from oscar_sglang.sglang import backend as be
+
+    small = {"fold": True, "num_warps": 2, "block_n": 16, "resident": 3}
+    choice = autotune.Choice("a GPU", ((1, 16384), (16, 4096)), "default",
+                             picks=[("fold, 2 warps, whole waves", small), ("default", {})])
+    monkeypatch.setattr(be, "tuned_decode_choice", lambda pool, query_heads: choice)
+    monkeypatch.delenv("OSCAR_SGLANG_DECODE_KERNEL", raising=False)
+    plain = _backend
+
+    def on_cuda_at_startup(kernel_backend, **kw):  # then the pool's device (this machine's) for the passes
+        b = plain(kernel_backend, runner_device="cuda", **kw)
+        b.device = DEVICE
+        return b
+
+    monkeypatch.setattr(sys.modules[__name__], "_backend", on_cuda_at_startup)
+    b = _backend("triton", context=1024)
+    assert b.decode_choice is choice
+    assert [b._decode_options_for(bs) for bs in (1, 2, 4, 5, 16, 200)] == [small] * 3 + [{}] * 3
+    cpu = torch.device(DEVICE)
+    assert b._splits_for_graph(2) == choose_splits(2, KVH, cpu, 1024, 16, 2, resident=3)
+    assert b._splits_for_graph(8) == choose_splits(8, KVH, cpu, 1024)
+    seen = []
+    real = api.decode_attention
+
+    def spy(q, *args, **kwargs):
+        seen.append((q.shape[0], {k: kwargs[k] for k in small if k in kwargs}))
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(api, "decode_attention", spy)
+    _, dense, _ = _run("triton")
+    assert any(opts == small for _, opts in seen) and all(opts == (small if bs <= 4 else {}) for bs, opts in seen)
+    for o, ref in dense:
+        torch.testing.assert_close(o, ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])

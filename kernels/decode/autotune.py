@@ -12,10 +12,12 @@ CUDA graphs (``oscar_sglang/sglang/backend.py``):
   request; a batch of shorter ones), after a warm call that compiles it;
 * its output is checked against the default's on the same inputs (the same attention, another loop: at
   most :data:`AGREEMENT` relative to the largest value); one that differs or fails is dropped, with a note;
-* the fastest by the geometric mean of its times over the default's is kept when that is at most
-  ``1 - MARGIN`` (timing noise does not move the server off the default); else the default;
-* ``whole_waves`` becomes ``resident=N`` (the programs per multiprocessor the compiled kernel reported), the
-  number a CUDA graph's split count follows.
+* per case, the fastest is kept when its time is at most ``1 - MARGIN`` of the default's there (timing noise
+  does not move the server off the default); else the default.  A batch is served with the pick of the case
+  nearest its size (:meth:`Choice.options_for`): batch 1 (the latency a user waits for per token) and large
+  batches (throughput) may want different loops, e.g. one whole wave of splits at batch 1;
+* ``whole_waves`` becomes ``resident=N`` (the programs per multiprocessor the compiled kernel reported at that
+  case), the number a CUDA graph's split count follows.
 
 Candidates are tried in order until ``budget_s`` is spent (the default first, always).  Nothing here imports
 SGLang; :func:`choose` works on any device (on CPU the Triton interpreter runs it, which is what the tests do;
@@ -49,49 +51,53 @@ CANDIDATES: tuple[tuple[str, dict], ...] = (
 )
 # (batch, context): ~66k slots, ~38 MB at 8 KV heads of d 128 in INT2 (and do_bench's 256 MB cache flush), freed after
 CASES: tuple[tuple[int, int], ...] = ((1, 16384), (16, 4096))
-MARGIN = 0.05       # a candidate must take at most 95% of the default's time (geometric mean over the cases)
+MARGIN = 0.05       # a candidate must take at most 95% of the default's time at a case to be kept there
 AGREEMENT = 2e-2    # largest |candidate - default| / largest |default| (the fold's fp16 rounding is ~1e-3)
 SINK, RECENT, PAGE = 64, 256, 16
 
 
 @dataclass
 class Choice:
-    """What :func:`choose` found: the kept candidate and what every candidate measured."""
+    """What :func:`choose` found: the candidate kept at each case (a batch regime) and what every candidate
+    measured.  :meth:`options_for` gives the options of a batch: the kept candidate of the case nearest its size."""
 
-    label: str
-    options: dict                     # decode_attention keyword arguments (``resident=N`` for whole waves)
     device: str
     cases: tuple[tuple[int, int], ...]
-    base: str                         # the reference candidate's label (the default)
-    ms: dict[str, list[float]] = field(default_factory=dict)   # label -> ms per case (timed candidates)
-    notes: dict[str, str] = field(default_factory=dict)        # label -> why it was dropped or not timed
+    base: str                          # the reference candidate's label (the default)
+    picks: list[tuple[str, dict]] = field(default_factory=list)  # per case: label, decode_attention options
+    ms: dict[str, list[float]] = field(default_factory=dict)     # label -> ms per case (timed candidates)
+    notes: dict[str, str] = field(default_factory=dict)          # label -> why it was dropped or not timed
     seconds: float = 0.0
 
-    def ratio(self, label: str) -> float:
-        """Geometric mean over the cases of ``label``'s time over the default's."""
-        return _geomean_ratio(self.ms[label], self.ms[self.base])
+    def options_for(self, batch: int) -> dict:
+        """The options kept for the case whose batch is nearest ``batch`` (in ratio; a tie: the smaller)."""
+        i = min(range(len(self.cases)), key=lambda c: (abs(math.log(max(1, batch) / self.cases[c][0])),
+                                                       self.cases[c][0]))
+        return dict(self.picks[i][1])
+
+    def ratio(self, label: str, case: int) -> float:
+        """``label``'s time over the default's at ``case``."""
+        return self.ms[label][case] / self.ms[self.base][case]
 
     def summary(self) -> str:
-        """One line for the server's log: the choice, the knob value that serves it, every candidate's ratio."""
-        base = self.base
-        knob = knob_value(self.options) or "default"
-        head = (f"decode loop: {self.label} ({knob}), timed at startup on {self.device} in {self.seconds:.1f} s")
-        if base in self.ms and self.label != base:
-            head += f": {self.ratio(self.label):.2f}x the default's time"
-        parts = [f"{label} {self.ratio(label):.2f}" for label in self.ms if base in self.ms]
-        cases = ", ".join(f"b{b} x {n}" for b, n in self.cases)
-        tail = f"; time / default's over {cases}: " + ", ".join(parts) if parts else ""
-        dropped = "".join(f"; {label}: {note}" for label, note in self.notes.items())
-        return head + tail + dropped
+        """One line for the server's log: per case the kept loop, the knob value that serves it and its time over
+        the default's; every candidate's ratios; why any was dropped."""
+        def case(i):
+            b, n = self.cases[i]
+            label, opts = self.picks[i]
+            gain = f", {self.ratio(label, i):.2f}x the default's time" if label != self.base else ""
+            return f"b{b} x {n}: {label} ({knob_value(opts) or 'default'}{gain})"
+        head = "decode loop: " + "; ".join(case(i) for i in range(len(self.cases)))
+        head += f"; timed at startup on {self.device} in {self.seconds:.1f} s"
+        parts = [f"{label} " + "/".join(f"{self.ratio(label, i):.2f}" for i in range(len(self.cases)))
+                 for label in self.ms]
+        tail = "; time / default's per case: " + ", ".join(parts) if parts else ""
+        return head + tail + "".join(f"; {label}: {note}" for label, note in self.notes.items())
 
 
 def knob_value(options: dict) -> str:
     """``OSCAR_SGLANG_DECODE_KERNEL``'s value for ``options`` (booleans as 0/1), '' for the defaults."""
     return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in options.items())
-
-
-def _geomean_ratio(ms: list[float], base: list[float]) -> float:
-    return math.exp(sum(math.log(a / b) for a, b in zip(ms, base)) / len(base))
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
@@ -146,21 +152,22 @@ def choose(like: LayerStore, rot: DeviceRotation, q_heads: int, *, cases=None, c
         runs.append((paged, q, n))
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{dev.type} (Triton's interpreter)"
     base_label = candidates[0][0]
-    choice = Choice(base_label, {}, name, cases, base_label)
+    choice = Choice(name, cases, base_label)
     reference: list[torch.Tensor] = []
+    served: dict[str, list[dict]] = {}  # label -> options as served, per case (whole waves: that case's residency)
     for index, (label, opts) in enumerate(candidates):
         if index and time.monotonic() - start > budget_s:
             choice.notes[label] = f"not timed (the {budget_s:g} s budget spent)"
             continue
         try:
-            ms, resident = [], None
+            ms, per_case = [], []
             for i, (paged, q, n) in enumerate(runs):
                 scenario.assign_hot(store, paged, SINK, RECENT)
                 args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens,
                         like.head_dim ** -0.5)
                 report: dict = {}
                 out = triton_kernel.decode_attention(*args, max_seq_len=n, report=report, **opts).float()
-                resident = report.get("resident", resident)
+                per_case.append(served_options(opts, report.get("resident")))
                 if index == 0:
                     reference.append(out)
                 else:
@@ -169,14 +176,16 @@ def choose(like: LayerStore, rot: DeviceRotation, q_heads: int, *, cases=None, c
                     if not err <= AGREEMENT:
                         raise ValueError(f"differs from the default by {err:.1e} at b{q.shape[0]} x {n}")
                 ms.append(timer(lambda: triton_kernel.decode_attention(*args, max_seq_len=n, **opts), dev))
-            choice.ms[label] = ms
-            if index and _geomean_ratio(ms, choice.ms[base_label]) <= 1 - MARGIN and (
-                    choice.label == base_label or _geomean_ratio(ms, choice.ms[choice.label]) < 1):
-                choice.label, choice.options = label, served_options(opts, resident)
+            choice.ms[label], served[label] = ms, per_case
         except Exception as e:  # noqa: BLE001  (a candidate that fails is dropped, the server still starts)
             if index == 0:
                 raise
             choice.notes[label] = f"dropped: {type(e).__name__}: {str(e)[:160]}"
+    for i in range(len(cases)):  # per case: the fastest, if at least MARGIN faster than the default there
+        best = min(choice.ms, key=lambda label: choice.ms[label][i])
+        if choice.ms[best][i] > (1 - MARGIN) * choice.ms[base_label][i]:
+            best = base_label
+        choice.picks.append((best, served[best][i]))
     choice.seconds = time.monotonic() - start
     del store, runs, reference
     if dev.type == "cuda":

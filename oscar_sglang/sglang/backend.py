@@ -128,7 +128,7 @@ class OscarInt2AttnBackend(AttentionBackend):
         self._decode_options = decode_kernel_options()      # OSCAR_SGLANG_DECODE_KERNEL: tile, if set
         self.decode_choice = None                           # the startup timing's Choice, where it ran
         if decode_kernel_autotuned() and torch.device(self.device).type == "cuda" and self._uses_triton():
-            self._decode_options, self.decode_choice = tuned_decode_options(self.pool, lambda: _query_heads(model_runner))
+            self.decode_choice = tuned_decode_choice(self.pool, lambda: _query_heads(model_runner))
         if self._extend_backend or self._extend_options or self._decode_options:
             logger.info("oscar_int2 attention: extend %s; decode %s",
                         "through the sdpa path (kernels/extend/sdpa.py)" if self._extend_backend
@@ -253,6 +253,11 @@ class OscarInt2AttnBackend(AttentionBackend):
         backend = self.pool.kernel_backend
         return backend == "triton" or (backend == "auto" and torch.device(self.device).type == "cuda")
 
+    def _decode_options_for(self, bs: int) -> dict:
+        """The decode kernel's options for a batch of ``bs`` requests: the startup timing's pick for that batch
+        size where it ran (``Choice.options_for``), else the knob's (``{}``: the kernel's defaults)."""
+        return self.decode_choice.options_for(bs) if self.decode_choice is not None else self._decode_options
+
     def _splits_for_graph(self, bs: int) -> int | None:
         """Decode splits of a captured batch size: as many as the longest context could use (fixed per ``bs``)."""
         if bs not in self._graph_splits:
@@ -260,7 +265,7 @@ class OscarInt2AttnBackend(AttentionBackend):
             if self._uses_triton():
                 from oscar_sglang.kernels.decode.triton_kernel import choose_splits
 
-                tile = {k: v for k, v in self._decode_options.items()  # the knob's
+                tile = {k: v for k, v in self._decode_options_for(bs).items()  # the knob's or the timing's
                         if k in ("block_n", "num_warps", "resident")}
                 splits = choose_splits(bs, self.pool.head_num, torch.device(self.device),
                                        max_seq_len=self.req_to_token.shape[1], **tile)
@@ -292,7 +297,8 @@ class OscarInt2AttnBackend(AttentionBackend):
         pages, rows = ((self.req_to_token, forward_batch.req_pool_indices) if md.pages is None
                        else (md.pages, md.page_rows))
         o = kernels.decode_attention(q3, store, rot, pages, rows, forward_batch.seq_lens, layer.scaling,
-                                     backend=self.pool.kernel_backend, **tuning, **self._decode_options)
+                                     backend=self.pool.kernel_backend, **tuning,
+                                     **self._decode_options_for(q3.shape[0]))
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def support_triton(self):
@@ -336,15 +342,15 @@ class OscarInt2AttnBackend(AttentionBackend):
         self._checked_layers.add(layer.layer_id)
 
 
-# (device, query heads, KV heads, head size, K and V formats) -> (options, Choice): one timing per process
-_TUNED: dict[tuple, tuple[dict, object]] = {}
+# (device, query heads, KV heads, head size, K and V formats) -> the timing's Choice: one timing per process
+_TUNED: dict[tuple, object] = {}
 
 
-def tuned_decode_options(pool: OscarInt2Pool, query_heads, choose=None) -> tuple[dict, object | None]:
-    """The decode loop's options timed on this GPU (``kernels/decode/autotune.py``) for ``pool``'s most common
-    layer formats and ``query_heads()`` query heads per rank, and the timing's ``Choice`` (logged); the
-    defaults (``{}``, None) with a warning if the timing fails: a server never fails to start for it.  Once
-    per process and shape (a second backend of the same model reuses it)."""
+def tuned_decode_choice(pool: OscarInt2Pool, query_heads, choose=None):
+    """The decode loop timed on this GPU (``kernels/decode/autotune.py``: a ``Choice``, whose ``options_for(bs)``
+    the backend serves) for ``pool``'s most common layer formats and ``query_heads()`` query heads per rank,
+    logged in one line; None (the kernel's defaults) with a warning if the timing fails: a server never fails
+    to start for it.  Once per process and shape (a second backend of the same model reuses it)."""
     try:
         if choose is None:
             from oscar_sglang.kernels.decode.autotune import choose
@@ -356,13 +362,12 @@ def tuned_decode_options(pool: OscarInt2Pool, query_heads, choose=None) -> tuple
         if key not in _TUNED:
             choice = choose(store, rot, q_heads)
             logger.info("oscar_int2 %s", choice.summary())
-            _TUNED[key] = (dict(choice.options), choice)
-        options, choice = _TUNED[key]
-        return dict(options), choice
+            _TUNED[key] = choice
+        return _TUNED[key]
     except Exception as e:  # noqa: BLE001
         logger.warning("oscar_int2: timing the decode loop's candidates failed (%s: %s); serving with the "
                        "kernel's defaults", type(e).__name__, str(e)[:200])
-        return {}, None
+        return None
 
 
 def _query_heads(model_runner) -> int:
