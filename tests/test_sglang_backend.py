@@ -315,7 +315,7 @@ def test_decode_loop_timed_at_startup_on_cuda_unless_the_knob_fixes_it(monkeypat
 
 
 def test_the_timed_choice_is_served_per_batch_size(monkeypatch):
-    # The startup timing keeps a loop per case (batch 1, batch 16): a batch gets the pick of the case nearest
+    # The startup timing keeps a loop per case (batch 1, batch 32): a batch gets the pick of the case nearest
     # its size, in the eager decode's kernel calls and in a CUDA graph's split count (fixed before capture);
     # the decodes still agree with dense attention.
     import sys
@@ -326,7 +326,7 @@ def test_the_timed_choice_is_served_per_batch_size(monkeypatch):
     from oscar_sglang.sglang import backend as be
 
     small = {"fold": True, "num_warps": 2, "block_n": 16, "resident": 3}
-    choice = autotune.Choice("a GPU", ((1, 16384), (16, 4096)), "default",
+    choice = autotune.Choice("a GPU", ((1, 16384), (32, 4096)), "default",
                              picks=[("fold, 2 warps, whole waves", small), ("default", {})])
     monkeypatch.setattr(be, "tuned_decode_choice", lambda pool, query_heads: choice)
     monkeypatch.delenv("OSCAR_SGLANG_DECODE_KERNEL", raising=False)
@@ -340,7 +340,7 @@ def test_the_timed_choice_is_served_per_batch_size(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "_backend", on_cuda_at_startup)
     b = _backend("triton", context=1024)
     assert b.decode_choice is choice
-    assert [b._decode_options_for(bs) for bs in (1, 2, 4, 5, 16, 200)] == [small] * 3 + [{}] * 3
+    assert [b._decode_options_for(bs) for bs in (1, 2, 5, 6, 32, 200)] == [small] * 3 + [{}] * 3
     cpu = torch.device(DEVICE)
     assert b._splits_for_graph(2) == choose_splits(2, KVH, cpu, 1024, 16, 2, resident=3)
     assert b._splits_for_graph(8) == choose_splits(8, KVH, cpu, 1024)
@@ -353,7 +353,7 @@ def test_the_timed_choice_is_served_per_batch_size(monkeypatch):
 
     monkeypatch.setattr(api, "decode_attention", spy)
     _, dense, _ = _run("triton")
-    assert any(opts == small for _, opts in seen) and all(opts == (small if bs <= 4 else {}) for bs, opts in seen)
+    assert any(opts == small for _, opts in seen) and all(opts == (small if bs <= 5 else {}) for bs, opts in seen)
     for o, ref in dense:
         torch.testing.assert_close(o, ref, atol=2e-2, rtol=2e-2)
 
