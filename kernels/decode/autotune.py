@@ -41,13 +41,16 @@ from . import triton_kernel
 # order of their promise (instructions per token and warps per multiprocessor counted for sm_90, docs/KERNELS.md),
 # so that a spent budget leaves out the least promising: the 2-warp fold (24 per token, 12 warps), the same over
 # one whole wave (no new compile), the 4-warp fold (41-48, 12-16 warps), the default loop with its hot blocks in a
-# loop of their own (fewer registers with some compilers, more with others)
+# loop of their own (fewer registers with some compilers, more with others), the 2-warp fold held to 128 registers
+# over one whole wave (16 warps per multiprocessor; with triton 3.6 some spills in its loop)
 CANDIDATES: tuple[tuple[str, dict], ...] = (
     ("default", {}),
     ("fold, 2 warps", {"fold": True, "num_warps": 2}),
     ("fold, 2 warps, whole waves", {"fold": True, "num_warps": 2, "whole_waves": True}),
     ("fold", {"fold": True}),
     ("hot blocks in their own loop", {"hot_loop": True}),
+    ("fold, 2 warps, 128 registers, whole waves",
+     {"fold": True, "num_warps": 2, "max_registers": 128, "whole_waves": True}),
 )
 # (batch, context): ~132k slots, ~76 MB at 8 KV heads of d 128 in INT2 (and do_bench's 256 MB cache flush), freed after;
 # batch 32 stands for the throughput regime (a server's largest 32k waves hold ~26 requests), batch 1 for latency
