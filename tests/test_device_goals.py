@@ -254,6 +254,21 @@ def test_the_rerun_line_reaches_the_goal_table(tmp_path):
     assert "rerun (not a goal): INT2's 32k wave (x20) is missing" in table and "needs ~57 s, which fits" in table
 
 
+def test_the_decode_loop_line_names_what_the_int2_numbers_ran_with(tmp_path):
+    serve = _serve_json(tmp_path, [(32768, 1, 60.0, 7.0)], [(32768, 1, 65.0, 6.5)])
+    assert goals.decode_loop_line(serve, None) == ""                    # a report from before the timing
+    serve["results"][1]["decode_loop"] = "b1 x 16384: fold, 2 warps (fold=1,num_warps=2, 0.45x the default's time)"
+    (tmp_path / "serve_bench.json").write_text(json.dumps(serve))
+    kernels = {"meta": {"served_decode": {"64": {"cases": [[1, 16384], [32, 4096]], "knobs": ["default", "fold=1"]},
+                                          "128": {"cases": [[1, 16384], [32, 4096]],
+                                                  "knobs": ["fold=1,num_warps=2", "default"]}}}}
+    line = goals.decode_loop_line(serve, kernels)
+    assert line == ("decode loop (not a goal): the INT2 server's startup timing: b1 x 16384: fold, 2 warps "
+                    "(fold=1,num_warps=2, 0.45x the default's time) | the kernel benchmark's: d=128 b1 x 16384 "
+                    "fold=1,num_warps=2, b32 x 4096 default; d=64 b1 x 16384 default, b32 x 4096 fold=1\n")
+    assert goals.decode_loop_line(serve, None) in goals.goal_table([("first", tmp_path)])  # the server's, from the folder
+
+
 def test_no_rerun_line_without_a_run_at_32k_or_with_nothing_to_size_it_by(tmp_path):
     serve = _serve_json(tmp_path, [(256, 1, 60.0, 7.0)], [(256, 1, 65.0, 6.5), (256, 4, 90.0, 9.0)])
     assert goals.rerun_line(serve) == ""                      # the dry run's prompts: no 32k run asked for

@@ -354,6 +354,22 @@ def decode_tile_line(kernels: dict | None) -> str:
             f"({best['cases']}) (OSCAR_SGLANG_DECODE_KERNEL={best['knob']})\n")
 
 
+def decode_loop_line(serve: dict | None, kernels: dict | None) -> str:
+    """Not a goal, but what decided the INT2 decode's numbers: the loop the INT2 server's startup timing chose
+    (``kernels/decode/autotune.py``, its log line as serve_bench copied it) and the kernel benchmark's picks per
+    head size, or ''."""
+    parts = []
+    loop = (_server(serve, "oscar-int2") or {}).get("decode_loop")
+    if loop:
+        parts.append(f"the INT2 server's startup timing: {loop}")
+    served = ((kernels or {}).get("meta") or {}).get("served_decode") or {}
+    if served:
+        parts.append("the kernel benchmark's: " + "; ".join(
+            f"d={d} " + ", ".join(f"b{b} x {n} {k}" for (b, n), k in zip(c["cases"], c["knobs"]))
+            for d, c in sorted(served.items(), key=lambda item: -int(item[0]))))
+    return f"decode loop (not a goal): {' | '.join(parts)}\n" if parts else ""
+
+
 def read_report(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -367,7 +383,7 @@ def goal_table(runs: list[tuple[str, Path]]) -> str:
     kernels = next((k for k in (read_report(d / "bench_kernels.json") for _, d in reversed(runs)) if k), None)
     serve, source = merge_serve([(name, read_report(d / "serve_bench.json")) for name, d in runs])
     table = markdown(kernel_goals(kernels) + server_goals(serve))
-    extra = decode_tile_line(kernels) + prefill_line(kernels) + rerun_line(serve)
+    extra = decode_loop_line(serve, kernels) + decode_tile_line(kernels) + prefill_line(kernels) + rerun_line(serve)
     if extra:
         table += "\n" + extra
     origin = source_line(source)
