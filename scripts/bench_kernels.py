@@ -356,16 +356,18 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
     paged, hot_per_req, st, q = _case_inputs(d, batch, ctx, store)
     targs = (paged.req_to_token, paged.req_pool_indices, paged.seq_lens, scale)
     row = {"d": d, "gqa": GQA, "q_heads": KV_HEADS * GQA, "kv_heads": KV_HEADS, "batch": batch, "context": ctx,
-           "bf16_kv_GiB": kv_bytes(batch, ctx, d) / 2**30, "hot_per_request": hot_per_req,
-           "splits": decode_tk.choose_splits(batch, KV_HEADS, DEVICE, ctx)}
+           "bf16_kv_GiB": kv_bytes(batch, ctx, d) / 2**30, "hot_per_request": hot_per_req}
     where = f"d={d} batch={batch} ctx={ctx}"
 
     row["int2_loop"] = autotune.knob_value(served) or "default"
+    grid: dict = {}  # the served loop's split count and where it rotates the queries, as the launch chose them
+    decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, report=grid, **served)
+    row["splits"] = grid["splits"]
     row["int2_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **served))
     if served:
         row["int2_default_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx))
     # where the queries are rotated: the automatic choice (timed above) against the other one
-    in_kernel = decode_tk.rotates_q_in_kernel(batch, KV_HEADS, row["splits"], DEVICE)
+    in_kernel = grid["rotate_q_in_kernel"]
     row["q_rot"] = "kernel" if in_kernel else "torch"
     row["int2_other_q_rot_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx,
                                                                           rotate_q_in_kernel=not in_kernel,

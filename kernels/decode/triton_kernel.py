@@ -322,7 +322,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     its capture, can follow it.  ``whole_waves`` (without ``num_splits`` or ``resident``): on a GPU, the same
     from the compiled kernel's own residency (``kernels/occupancy.py``); elsewhere ignored.  Variants for the
     GPU to time (scripts/device/decode_variants.py).
-    ``report``: a dict filled with the launch's ``splits`` and, on a GPU, the compiled split kernel's
+    ``report``: a dict filled with the launch's ``splits``, ``rotate_q_in_kernel`` and, on a GPU, the compiled
+    split kernel's
     ``registers``, ``spills``, ``shared``, ``resident`` programs per multiprocessor and ``waves`` of the grid
     (or a ``note`` saying why they could not be read).
     """
@@ -380,7 +381,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
             splits = choose_splits(bsz, kv, q.device, max_seq_len, block_n, num_warps, resident=_RESIDENT[key])
     compiled, mid_o, mid_lse = launch(splits)
     if report is not None:
-        report["splits"] = splits
+        report.update(splits=splits, rotate_q_in_kernel=rotate_q_in_kernel)
         if on_gpu and compiled is not None:
             try:  # a diagnosis: never the decode's failure
                 resident = _resident(compiled, q.device)

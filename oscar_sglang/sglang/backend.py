@@ -133,7 +133,8 @@ class OscarInt2AttnBackend(AttentionBackend):
             logger.info("oscar_int2 attention: extend %s; decode %s",
                         "through the sdpa path (kernels/extend/sdpa.py)" if self._extend_backend
                         else f"kernel options {self._extend_options or 'default'}",
-                        f"kernel options {self._decode_options or 'default'}")
+                        "as timed at startup (the 'decode loop' line)" if self.decode_choice is not None
+                        else f"kernel options {self._decode_options or 'default'}")
 
     # -- per pass -------------------------------------------------------------
 
@@ -346,14 +347,14 @@ class OscarInt2AttnBackend(AttentionBackend):
 _TUNED: dict[tuple, object] = {}
 
 
-def tuned_decode_choice(pool: OscarInt2Pool, query_heads, choose=None):
+def tuned_decode_choice(pool: OscarInt2Pool, query_heads):
     """The decode loop timed on this GPU (``kernels/decode/autotune.py``: a ``Choice``, whose ``options_for(bs)``
     the backend serves) for ``pool``'s most common layer formats and ``query_heads()`` query heads per rank,
     logged in one line; None (the kernel's defaults) with a warning if the timing fails: a server never fails
     to start for it.  Once per process and shape (a second backend of the same model reuses it)."""
     try:
-        if choose is None:
-            from oscar_sglang.kernels.decode.autotune import choose
+        from oscar_sglang.kernels.decode.autotune import choose
+
         q_heads = query_heads()
         formats = [(lf.k, lf.v) for lf in pool.layer_formats]
         common = max(formats, key=formats.count)     # the first of the most common
