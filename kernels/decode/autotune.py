@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from .. import scenario
-from ..layout import DeviceRotation, LayerStore
+from ..layout import DeviceRotation, LayerStore, empty_store
 from . import triton_kernel
 
 # (label, decode_attention options); the first is the default, the reference of the others; the rest in the
@@ -119,8 +119,6 @@ def timed_ms(fn: Callable[[], object], device: torch.device) -> float:
 def synthetic_store(like: LayerStore, slots: int, hot_entries: int, seed: int) -> LayerStore:
     """A store of ``like``'s formats and geometry on its device: random codes, scales in [0.01, 0.1], zeros in
     [-0.2, 0.2], BF16 hot rows (``hot_index`` all cold: the caller assigns)."""
-    from ..layout import empty_store
-
     dev = like.k_codes.device
     store = empty_store(slots, like.kv_heads, like.head_dim, None, hot_entries, dev,
                         k_format=like.k_format, v_format=like.v_format)
