@@ -148,6 +148,14 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                             q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,
                             paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
                             **{"rotate_q_in_kernel": False, **opts}))
+            if d == 128 and tag.startswith("d=128 int2 "):  # the folded loop over symmetric rows (calibration's
+                sym = fmt.RowFormat(2, symmetric=True)  # choice where the policy offers them): biased value codes
+                store_sym = layout.empty_store(paged.num_slots, kv, d, None, 8, k_format=sym, v_format=sym)
+                add(f"decode variant d={d} {sym.name(d)} gqa={gqa} fold=True num_warps=2", dec,
+                    "_decode_split_kernel",
+                    lambda: dec.decode_attention(q, store_sym, rot, paged.req_to_token, paged.req_pool_indices,
+                                                 paged.seq_lens, 0.1, num_splits=4, rotate_q_in_kernel=False,
+                                                 fold=True, num_warps=2))
         add(f"read {tag} bf16", rd, "_read_kernel",
             lambda: rd.read_rows(store, torch.tensor([3, 0, 2, 1]), torch.bfloat16))
         qe = torch.randn(4, kv * gqa, d)

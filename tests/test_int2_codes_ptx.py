@@ -1,6 +1,6 @@
 """The inline PTX that unpacks INT2 codes for the folded decode (``triton_helpers.int2_piece_ptx``), executed
-here by a small model of its three instructions (PTX ISA semantics of ``prmt.b32``, ``lop3.b32`` and
-``fma.rn.f16x2``), against the codes read from the bytes directly.  The interpreter cannot run PTX, so this is
+here by a small model of its two instructions (PTX ISA semantics of ``prmt.b32`` and ``lop3.b32``), against the
+codes read from the bytes directly.  The interpreter cannot run PTX, so this is
 what proves the string's arithmetic on a machine without a GPU; the kernel tests prove it natively on CUDA."""
 
 import re
@@ -40,15 +40,6 @@ def _halves(x):
     return (x & 0xFFFF).astype(np.uint16).view(np.float16), (x >> 16).astype(np.uint16).view(np.float16)
 
 
-def _fma_f16x2(a, b, c):
-    """``fma.rn.f16x2``: per half ``a * b + c`` computed exactly (float64 holds it), rounded once to fp16."""
-    out = []
-    for xa, xb, xc in zip(_halves(a), _halves(b), _halves(c)):
-        r = (xa.astype(np.float64) * xb.astype(np.float64) + xc.astype(np.float64)).astype(np.float16)
-        out.append(r.view(np.uint16).astype(np.uint32))
-    return out[0] | (out[1] << np.uint32(16))
-
-
 def run_ptx(text: str, inputs: dict) -> dict:
     """Execute the PTX block ``text`` over numpy uint32 registers (``inputs``: ``$n`` -> array); returns them all."""
     regs = dict(inputs)
@@ -65,14 +56,10 @@ def run_ptx(text: str, inputs: dict) -> dict:
             continue
         op, rest = stmt.split(None, 1)
         args = [t.strip() for t in rest.split(",")]
-        if op == "mov.b32":
-            regs[args[0]] = val(args[1])
-        elif op == "prmt.b32":
+        if op == "prmt.b32":
             regs[args[0]] = _prmt(val(args[1]), val(args[2]), int(args[3], 0))
         elif op == "lop3.b32":
             regs[args[0]] = _lop3(val(args[1]), val(args[2]), val(args[3]), int(args[4], 0))
-        elif op == "fma.rn.f16x2":
-            regs[args[0]] = _fma_f16x2(val(args[1]), val(args[2]), val(args[3]))
         else:
             raise AssertionError(f"instruction not modelled: {op}")
     return regs
@@ -81,7 +68,8 @@ def run_ptx(text: str, inputs: dict) -> dict:
 def test_int2_codes_ptx_gives_every_code_of_four_bytes_exactly():
     """Four bytes (words 0..3, word 0 the low byte) in ``$2``: the PTX of piece p must give, in output ``$(w //
     2)``, half ``w % 2``, the code of piece p of word w, ``(byte >> 2p) & 3``, as an fp16 value, for every byte
-    value in every place.  (That placement is Triton's packing for ``pack=4``, read in its LLVM IR: the input an
+    value in every place, plus ``2^(10 - 2p)`` (``code_bias``: the folded decode takes it off after its dots).
+    (That placement is Triton's packing for ``pack=4``, read in its LLVM IR: the input an
     ``i32`` bitcast to ``<4 x i8>``, the output two ``<2 x half>``, element 0 the low half.)  The kernel uses
     the same strings (the ``tl.constexpr`` globals)."""
     rng = np.random.default_rng(0)
@@ -94,10 +82,12 @@ def test_int2_codes_ptx_gives_every_code_of_four_bytes_exactly():
         ptx = triton_helpers.int2_piece_ptx(p)
         assert kernel_ptx[p].value == ptx
         assert set(re.findall(r"\$(\d+)", ptx)) == {"0", "1", "2"}
+        bias = triton_helpers.code_bias(p, 2)
+        assert bias == 2.0 ** (10 - 2 * p) and triton_helpers.code_bias(p, 4) == 1024.0
         regs = run_ptx(ptx, {"$2": words})
         for w in range(4):
             got = _halves(regs[f"${w // 2}"])[w % 2].astype(np.float64)
-            want = ((words >> (8 * w + 2 * p)) & 3).astype(np.float64)
+            want = ((words >> (8 * w + 2 * p)) & 3).astype(np.float64) + bias
             assert np.array_equal(got, want), (p, w)
 
 
@@ -108,5 +98,6 @@ def test_ptx_model_knows_its_instructions():
     assert _prmt(one(0x44332211), one(0xAA000000), 0x7342)[0] == 0xAA440033  # byte 7 = b's top byte
     assert _lop3(one(0xFFFF0F0F), one(0x00030003), one(0x64006400), 0xEA)[0] == 0x64036403  # (a & b) | c
     assert _lop3(one(0b1100), one(0b1010), one(0), 0x3C)[0] == 0b0110          # a ^ b
-    # low half (1024 + 3) * 1 - 1024 = 3.0 (0x4200), high half (1024 + 64) / 64 - 16 = 1.0 (0x3C00)
-    assert _fma_f16x2(one(0x64406403), one(0x24003C00), one(0xCC00E400))[0] == 0x3C004200
+    # piece 3 of byte 0xC0 (code 3) under fp16 16.0 (0x4C00): 16 + 3 in the low half, 16 + 0 in the high one
+    assert _lop3(one(0x000000C0), one(0x00C000C0), one(0x4C004C00), 0xEA)[0] == 0x4C004CC0
+    assert [float(h[0]) for h in _halves(one(0x4C004CC0))] == [19.0, 16.0]

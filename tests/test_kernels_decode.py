@@ -141,10 +141,12 @@ def test_decode_with_bf16_dots_is_within_bf16_rounding_of_the_reference():
 def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(prefetch):
     """``fold=True``: blocks without a hot row attended over the codes (fp16, exact) with each row's scale and
     zero folded into the logits and weights; blocks with one dequantized as before, 16 rows at a time.  Formats
-    of one group per row (INT2, INT4 and INT8 keys, symmetric keys), hot windows or none, GQA 1 to 8."""
+    of one group per row (INT2, INT4 and INT8 keys, symmetric keys, symmetric values: their codes biased, the
+    bias taken off after the dots), hot windows or none, GQA 1 to 8."""
     lens = [0, 1, 17, 50, 70, 33]
+    sym = (F(2, symmetric=True), F(2, symmetric=True))
     cases = [(64, 16, True, 4, FORMATS[0]), (128, 1, True, 3, FORMATS[3]), (64, 1, False, 1, FORMATS[5]),
-             (128, 16, True, 8, FORMATS[7])]
+             (128, 16, True, 8, FORMATS[7]), (128, 16, True, 4, sym)]
     for i, (d, page, hot, gqa, formats) in enumerate(cases):
         seed = 50 + 5 * i + prefetch
         paged, rot, store = build(lens, d, None, page, hot, seed, formats=formats)
@@ -153,8 +155,8 @@ def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(pref
         ref = reference.decode_attention(*args, d**-0.5)
         # block_n 64 and 32: a block with a hot row is attended 16 rows at a time (several parts); the warps
         # change the compiled layouts on a GPU (the interpreter ignores them)
-        kw = dict(backend="triton", num_splits=1 + i, block_n=(16, 64, 32, 64)[i], prefetch=prefetch,
-                  num_warps=(4, 2, 1, 2)[i])
+        kw = dict(backend="triton", num_splits=1 + i, block_n=(16, 64, 32, 64, 32)[i], prefetch=prefetch,
+                  num_warps=(4, 2, 1, 2, 2)[i])
         out = api.decode_attention(*args, fold=True, **kw)
         err = (out - ref).abs().max().item()
         # fp16 queries and weights (10-bit mantissas, as TF32's): about 2^-12 of the output's scale here

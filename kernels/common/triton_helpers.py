@@ -237,27 +237,29 @@ def attend_block(q0, q1, q2, q3, k0, k1, k2, k3, v0, v1, v2, v3, valid, qk_scale
     return m_new, l, a0, a1, a2, a3
 
 
+def code_bias(p: int, bits: int) -> float:
+    """The bias ``B`` of piece ``p``'s values from :func:`code_values` (``B + c``, exact in fp16): INT2 ``2^(10 -
+    2p)`` (the code left in bits ``2p`` of its byte, under an exponent that gives those bits weight 1), wider codes
+    1024 (shifted to bits 0)."""
+    return float(2 ** (10 - 2 * p)) if bits == 2 else 1024.0
+
+
 def int2_piece_ptx(p: int) -> str:
     """PTX for piece ``p`` of :func:`code_values` with INT2 words, four words (one per byte of ``$2``, word 0 the
     low byte) per call: ``prmt`` spreads bytes 0, 1 (2, 3) to the halves of a register, ``lop3`` ``(t & mask) |
-    1024.0`` puts the piece's codes (bits 2p of each byte) in the mantissas of two fp16 1024.0 (``1024 + 4^p
-    c``), ``fma.rn.f16x2`` times ``4^-p`` minus ``1024 4^-p`` leaves ``c``, exactly.  Outputs ``$0``: words 0, 1;
-    ``$1``: words 2, 3, the first word in the low half.  One call per piece (not one for all four, whose eight
-    outputs the compiler then moved into the MMA's operand registers; the four calls' ``prmt`` are the same
-    instructions and are computed once)."""
+    B`` puts the piece's codes (bits 2p of each byte) in the mantissas of two fp16 ``B = 2^(10 - 2p)``
+    (:func:`code_bias`), whose mantissa's bits 2p weigh 1: the halves are ``B + c`` exactly, two codes per
+    instruction.  Outputs ``$0``: words 0, 1; ``$1``: words 2, 3, the first word in the low half.  One call per
+    piece (not one for all four, whose eight outputs the compiler then moved into the MMA's operand registers;
+    the four calls' ``prmt`` are the same instructions and are computed once)."""
     mask = 0x00030003 << (2 * p)
-    scale = (0x3C00, 0x3400, 0x2C00, 0x2400)[p] * 0x10001       # fp16 4^-p in both halves
-    zero = (0xE400, 0xDC00, 0xD400, 0xCC00)[p] * 0x10001        # fp16 -1024 4^-p in both halves
+    magic = ((25 - 2 * p) << 10) * 0x10001  # fp16 2^(10 - 2p) in both halves: exponent 10 - 2p (bias 15)
     return f"""{{
-.reg .b32 t<2>, s, z;
+.reg .b32 t<2>;
 prmt.b32 t0, $2, 0, 0x4140;
 prmt.b32 t1, $2, 0, 0x4342;
-mov.b32 s, {scale:#010x};
-mov.b32 z, {zero:#010x};
-lop3.b32 $0, t0, {mask:#010x}, 0x64006400, 0xea;
-fma.rn.f16x2 $0, $0, s, z;
-lop3.b32 $1, t1, {mask:#010x}, 0x64006400, 0xea;
-fma.rn.f16x2 $1, $1, s, z;
+lop3.b32 $0, t0, {mask:#010x}, {magic:#010x}, 0xea;
+lop3.b32 $1, t1, {mask:#010x}, {magic:#010x}, 0xea;
 }}"""
 
 
@@ -268,46 +270,66 @@ _INT2_PIECE3_PTX = tl.constexpr(int2_piece_ptx(3))
 
 
 @triton.jit
+def code_biases(BITS: tl.constexpr):
+    """:func:`code_bias` of the four pieces, inside a kernel."""
+    if BITS == 2:
+        return 1024.0, 256.0, 64.0, 16.0
+    else:
+        return 1024.0, 1024.0, 1024.0, 1024.0
+
+
+@triton.jit
 def code_values(word, BITS: tl.constexpr, PACKED: tl.constexpr):
-    """The codes of the four pieces of ``word`` (int32, four codes each) as fp16 values ``c``, exactly (``c <
-    2^BITS <= 256``): each code put in the mantissa of fp16 1024.0 by integer ops, then 1024 taken off, no
-    int-to-float conversion.  ``PACKED`` (INT2 on a GPU): the same in inline PTX (:func:`int2_piece_ptx`) two
-    codes per instruction, fp16 pairs as the dots read them; else one code per operation (the interpreter
-    cannot run PTX; this is the PTX's reference)."""
+    """The codes ``c`` of the four pieces of ``word`` (int32, four codes each) as fp16 values ``B_p + c``, exactly
+    (:func:`code_bias`; ``c < 2^BITS <= 256``): each code put in the mantissa of an fp16 power of two by integer
+    ops, no int-to-float conversion, the power left for the caller to take off after its dots (INT2: the code
+    left in its bits, one operation per code).  ``PACKED`` (INT2 on a GPU): the same in inline PTX
+    (:func:`int2_piece_ptx`) two codes per instruction, fp16 pairs as the dots read them; else one code per
+    operation (the interpreter cannot run PTX; this is the PTX's reference)."""
     if PACKED and BITS == 2:
         w8 = word.to(tl.uint8)
         x0 = tl.inline_asm_elementwise(_INT2_PIECE0_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
         x1 = tl.inline_asm_elementwise(_INT2_PIECE1_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
         x2 = tl.inline_asm_elementwise(_INT2_PIECE2_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
         x3 = tl.inline_asm_elementwise(_INT2_PIECE3_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
+    elif BITS == 2:  # the PTX's values: bits 2p kept under fp16 2^(10 - 2p)
+        x0 = ((word & 0x03) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        x1 = ((word & 0x0C) | 0x5C00).to(tl.int16).to(tl.float16, bitcast=True)
+        x2 = ((word & 0x30) | 0x5400).to(tl.int16).to(tl.float16, bitcast=True)
+        x3 = ((word & 0xC0) | 0x4C00).to(tl.int16).to(tl.float16, bitcast=True)
     else:
         MASK: tl.constexpr = (1 << BITS) - 1
-        x0 = ((word & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-        x1 = (((word >> BITS) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-        x2 = (((word >> (2 * BITS)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
-        x3 = (((word >> (3 * BITS)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+        x0 = ((word & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        x1 = (((word >> BITS) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        x2 = (((word >> (2 * BITS)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        x3 = (((word >> (3 * BITS)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
     return x0, x1, x2, x3
 
 
 @triton.jit
-def attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs, qt0, qt1, qt2, qt3, qsum, valid, qk_scale, m,
-                    o0, o1, o2, o3):
+def attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs, qt0, qt1, qt2, qt3, qsum, kbias, valid, qk_scale, m,
+                    o0, o1, o2, o3, K_ZERO: tl.constexpr):
     """One online-softmax step (base 2), transposed, over rows ``scale x + zero`` given by fp16 pieces ``x``
     (``k0..k3``, ``v0..v3``: ``[BLOCK_N, D // 4]``) and per-row ``ks, kz, vs`` (``[BLOCK_N, 1]``; the values' zeros
     are the caller's: ``sum_t p_t zero_t``).  The queries are the dots' right operand, ``qt0..qt3`` ``[D // 4,
     H]`` fp16 (``qsum [H]`` the sum of their values), and so are the weights for the outputs ``o0..o3`` ``[D // 4,
     H]``: the group's few query heads fill the MMA's 8-wide side instead of being padded to its 16 rows.
 
-    * logits ``k_t . q = ks_t (x_t . q) + kz_t sum(q)``, ``valid [BLOCK_N, 1]``;
-    * outputs ``o += x^T (p vs)`` (weights rounded to fp16, fp32 sums).
+    * logits ``k_t . q = ks_t (x_t . q - kbias) + kz_t sum(q)`` (``kbias [H]``: what the keys' biases add to
+      the dots, :func:`folded_bias`; ``K_ZERO``: whether ``kz`` is added, else it is in ``kbias``),
+      ``valid [BLOCK_N, 1]``;
+    * outputs ``o += x^T ps``, ``ps = p vs`` rounded to fp16 (fp32 sums).
 
     Returns the new running max ``[H]``, the factor ``alpha [1, H]`` that rescaled what came before, the
-    weights ``p [BLOCK_N, H]`` and the outputs."""
+    weights ``p`` and ``ps`` ``[BLOCK_N, H]`` and the outputs."""
     s = tl.dot(k0, qt0)
     s += tl.dot(k1, qt1)
     s += tl.dot(k2, qt2)
     s += tl.dot(k3, qt3)
-    s = tl.where(valid, s * (ks * qk_scale) + (kz * qk_scale) * qsum[None, :], float("-inf"))
+    if K_ZERO:
+        s = tl.where(valid, (s - kbias[None, :]) * (ks * qk_scale) + (kz * qk_scale) * qsum[None, :], float("-inf"))
+    else:
+        s = tl.where(valid, (s - kbias[None, :]) * (ks * qk_scale), float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 0))
     base = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - base)[None, :]
@@ -317,15 +339,43 @@ def attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs, qt0, qt1, qt2, q
     o1 = o1 * alpha + tl.dot(tl.trans(v1), ps)
     o2 = o2 * alpha + tl.dot(tl.trans(v2), ps)
     o3 = o3 * alpha + tl.dot(tl.trans(v3), ps)
-    return m_new, alpha, p, o0, o1, o2, o3
+    return m_new, alpha, p, ps, o0, o1, o2, o3
 
 
 @triton.jit
-def folded_sums(lt, zt, o0, o1, o2, o3):
-    """The end of a folded loop: the softmax's sum ``l [H]`` from its rows ``lt``, and the outputs with the zeros'
-    term ``zt`` added, as ``[H, D // 4]`` pieces."""
-    z = tl.sum(zt, 0)[None, :]
-    return tl.sum(lt, 0), tl.trans(o0 + z), tl.trans(o1 + z), tl.trans(o2 + z), tl.trans(o3 + z)
+def folded_bias(qt0, qt1, qt2, qt3, K_BITS: tl.constexpr, K_SYM: tl.constexpr):
+    """The folded loop's sums of its fp16 queries ``[H, D // 4]`` pieces: ``qsum [H]``, and ``kbias [H]``, what the
+    biased key codes (:func:`code_values`, ``B_p + c``) add to a dot, ``sum_p B_p sum(q_p)``, plus for symmetric
+    keys their implied zero's share (zero ``-(L / 2)`` scale: ``(L / 2) sum(q)``, so that the logits need no
+    zero term)."""
+    b0, b1, b2, b3 = code_biases(K_BITS)
+    s0 = tl.sum(qt0.to(tl.float32), 1)
+    s1 = tl.sum(qt1.to(tl.float32), 1)
+    s2 = tl.sum(qt2.to(tl.float32), 1)
+    s3 = tl.sum(qt3.to(tl.float32), 1)
+    qsum = s0 + s1 + s2 + s3
+    kbias = b0 * s0 + b1 * s1 + b2 * s2 + b3 * s3
+    if K_SYM:
+        kbias += (0.5 * ((1 << K_BITS) - 1)) * qsum
+    return qsum, kbias
+
+
+@triton.jit
+def folded_sums(lt, zt, wt, o0, o1, o2, o3, V_BITS: tl.constexpr, V_SYM: tl.constexpr):
+    """The end of a folded loop: the softmax's sum ``l [H]`` from its rows ``lt``, and the outputs as ``[H, D //
+    4]`` pieces, the values' biases taken off (:func:`code_values`: the dots summed ``(B_p + c) ps``, so piece
+    ``p`` less ``B_p`` times the weights' sum, from its rows ``wt``) and their zeros added: from the rows ``zt``
+    (``sum_t p_t zero_t``), or for symmetric values ``-(L / 2)`` times the weights' sum.
+    """
+    w = tl.sum(wt, 0)[None, :]
+    b0, b1, b2, b3 = code_biases(V_BITS)
+    if V_SYM:
+        half: tl.constexpr = 0.5 * ((1 << V_BITS) - 1)
+        o0, o1, o2, o3 = o0 - (b0 + half) * w, o1 - (b1 + half) * w, o2 - (b2 + half) * w, o3 - (b3 + half) * w
+    else:
+        z = tl.sum(zt, 0)[None, :]
+        o0, o1, o2, o3 = o0 - b0 * w + z, o1 - b1 * w + z, o2 - b2 * w + z, o3 - b3 * w + z
+    return tl.sum(lt, 0), tl.trans(o0), tl.trans(o1), tl.trans(o2), tl.trans(o3)
 
 
 @triton.jit
@@ -416,35 +466,40 @@ def attend_hot_block(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, q0,
 
 
 @triton.jit
-def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, tmask, qt0, qt1, qt2, qt3, qsum, qk_scale, m, lt, zt,
-                             o0, o1, o2, o3, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PACKED: tl.constexpr):
+def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, tmask, qt0, qt1, qt2, qt3, qsum, kbias, qk_scale, m, lt, zt,
+                             wt, o0, o1, o2, o3, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_SYM: tl.constexpr,
+                             V_SYM: tl.constexpr, PACKED: tl.constexpr):
     """:func:`attend_fetched_block` for a block without a hot row, of rows of one scale and zero each (the
-    decode's ``fold``), transposed (:func:`attend_affine_t`): the dots read the codes themselves
-    (:func:`code_values`: fp16, exact), each row's scale and zero folded in where they are constant
-    (``scale c + zero``); the softmax's sum and the zeros' term are kept per row, ``lt`` and ``zt``
-    ``[BLOCK_N, H]`` (rescaled as the outputs), and summed once at the end (:func:`folded_sums`), so that a
-    block reduces across warps for its maximum only.  A block with a hot row goes to
-    :func:`attend_hot_block_folded`, in a loop of its own."""
+    decode's ``fold``), transposed (:func:`attend_affine_t`): the dots read the codes themselves, biased
+    (:func:`code_values`: ``B_p + c`` in fp16, exact; INT2's PTX one instruction per two codes), each row's
+    scale and zero folded in where they are constant (``scale c + zero``).  What the keys' biases add to the
+    logits is taken off them (``kbias``, :func:`folded_bias`, with symmetric keys' implied zero); the softmax's
+    sum, the values' weights (``ps``, for their biases) and, unless symmetric, their zeros' term are kept per
+    row, ``lt``, ``wt`` and ``zt`` ``[BLOCK_N, H]`` (rescaled as the outputs), and summed once at the end
+    (:func:`folded_sums`), so that a block reduces across warps for its maximum only.  A block with a hot row
+    goes to :func:`attend_hot_block_folded`, in a loop of its own."""
     k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
     v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
-    m, alpha, p, o0, o1, o2, o3 = attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs,
-                                                  qt0, qt1, qt2, qt3, qsum, tmask[:, None], qk_scale, m,
-                                                  o0, o1, o2, o3)
+    m, alpha, p, ps, o0, o1, o2, o3 = attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs,
+                                                      qt0, qt1, qt2, qt3, qsum, kbias, tmask[:, None], qk_scale, m,
+                                                      o0, o1, o2, o3, not K_SYM)
     lt = lt * alpha + p
-    zt = zt * alpha + p * vz
-    return m, lt, zt, o0, o1, o2, o3
+    wt = wt * alpha + ps.to(tl.float32)
+    if not V_SYM:
+        zt = zt * alpha + p * vz
+    return m, lt, zt, wt, o0, o1, o2, o3
 
 
 @triton.jit
 def attend_hot_block_folded(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, qt0, qt1, qt2, qt3, qsum,
-                            qk_scale, m, lt, zt, o0, o1, o2, o3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
+                            qk_scale, m, lt, zt, wt, o0, o1, o2, o3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                             D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                             V_G: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr, BLOCK_N: tl.constexpr,
                             HOT_ROWS: tl.constexpr = 16):
     """The folded loop's step over a block with a hot row, tokens ``n0 + arange(BLOCK_N)`` (``< end``):
     ``HOT_ROWS`` tokens at a time (a loop, not unrolled) looked up and fetched again, dequantized (BF16 copies
-    where hot) and attended in fp16 as :func:`attend_cold_block_folded` (scale 1, zero 0), each part's sum put
-    in row 0 of ``lt``.  Its own loop after the cold blocks' and one part at a time: the kernel is allocated
+    where hot) and attended in fp16 as :func:`attend_cold_block_folded` (scale 1, zero 0, no biases: ``wt`` and
+    ``zt`` only rescaled), each part's sum put in row 0 of ``lt``.  Its own loop after the cold blocks' and one part at a time: the kernel is allocated
     registers for its largest need, and this rare branch inside the cold loop, with that loop's loads ahead
     live, had set it (sm_90, d 128, triton 3.8: 255 registers, 8 warps per multiprocessor, at 2 and at 4
     warps; 168 and 128 since)."""
@@ -457,13 +512,14 @@ def attend_hot_block_folded(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_h
         hm = tm & (ent >= 0)
         x0, x1, x2, x3 = dequant_rows(hkw, hks, hkz, k_hot, ent * KV + kvh, hm, D, K_BITS, False)
         y0, y1, y2, y3 = dequant_rows(hvw, hvs, hvz, v_hot, ent * KV + kvh, hm, D, V_BITS, False)
-        m, part_alpha, part_p, o0, o1, o2, o3 = attend_affine_t(
+        m, part_alpha, part_p, _, o0, o1, o2, o3 = attend_affine_t(
             x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16), one, tl.zeros_like(one),
             y0.to(tl.float16), y1.to(tl.float16), y2.to(tl.float16), y3.to(tl.float16), one,
-            qt0, qt1, qt2, qt3, qsum, tm[:, None], qk_scale, m, o0, o1, o2, o3)
+            qt0, qt1, qt2, qt3, qsum, tl.zeros_like(qsum), tm[:, None], qk_scale, m, o0, o1, o2, o3, False)
         lt = lt * part_alpha + tl.where(first, tl.sum(part_p, 0)[None, :], 0.0)
         zt = zt * part_alpha
-    return m, lt, zt, o0, o1, o2, o3
+        wt = wt * part_alpha
+    return m, lt, zt, wt, o0, o1, o2, o3
 
 
 @triton.jit

@@ -27,8 +27,8 @@ from oscar_sglang.rotation import rotate_queries
 
 from ..common.triton_helpers import (attend_cold_block, attend_cold_block_folded, attend_fetched_block,
                                      attend_hot_block, attend_hot_block_folded, bf16_rne, block_slots,
-                                     fetch_block, folded_sums, load_row_pieces, rotate_rows, slot_entries,
-                                     store_pieces)
+                                     fetch_block, folded_bias, folded_sums, load_row_pieces, rotate_rows,
+                                     slot_entries, store_pieces)
 from ..interpret import interpreted
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 from ..occupancy import Multiprocessor, compiled_resources, resident_programs
@@ -74,13 +74,15 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         q0, q1, q2, q3 = load_row_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    if FOLD:  # transposed (attend_affine_t): fp16 queries [D/4, BLOCK_H] and their sum, outputs [D/4, BLOCK_H],
-        # the softmax's sum and the zeros' term per row [BLOCK_N, BLOCK_H]
+    if FOLD:  # transposed (attend_affine_t): fp16 queries [D/4, BLOCK_H], their sum and what the keys' biased
+        # codes add to a dot (folded_bias), outputs [D/4, BLOCK_H], the softmax's sum and the zeros' term (or for
+        # symmetric values the weights' sum) per row [BLOCK_N, BLOCK_H]
         q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
-        qsum = tl.sum(q0.to(tl.float32) + q1.to(tl.float32) + q2.to(tl.float32) + q3.to(tl.float32), 1)
+        qsum, kbias = folded_bias(q0, q1, q2, q3, K_BITS, K_SYM)
         q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
         lt = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
         zt = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+        wt = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
         a0 = tl.zeros([D // 4, BLOCK_H], tl.float32)
         a1 = tl.zeros([D // 4, BLOCK_H], tl.float32)
         a2 = tl.zeros([D // 4, BLOCK_H], tl.float32)
@@ -136,9 +138,9 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 hot_lo = tl.minimum(hot_lo, n0)
                 hot_hi = n0
             elif FOLD:
-                m, lt, zt, a0, a1, a2, a3 = attend_cold_block_folded(
-                    kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qsum, qk_scale, m, lt, zt, a0, a1, a2, a3,
-                    K_BITS, V_BITS, PACKED)
+                m, lt, zt, wt, a0, a1, a2, a3 = attend_cold_block_folded(
+                    kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qsum, kbias, qk_scale, m, lt, zt, wt, a0, a1,
+                    a2, a3, K_BITS, V_BITS, K_SYM, V_SYM, PACKED)
             else:
                 m, l, a0, a1, a2, a3 = attend_cold_block(kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qk_scale,
                                                          m, l, a0, a1, a2, a3, K_BITS, V_BITS, PREC)
@@ -160,9 +162,9 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
             entries = slot_entries(block_slots(t, tmask, tok_row), tmask, hot_index)
             if tl.max((tmask & (entries >= 0)).to(tl.int32), 0) > 0:
                 if FOLD:
-                    m, lt, zt, a0, a1, a2, a3 = attend_hot_block_folded(
+                    m, lt, zt, wt, a0, a1, a2, a3 = attend_hot_block_folded(
                         n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qsum, qk_scale, m,
-                        lt, zt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G,
+                        lt, zt, wt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G,
                         V_BITS, V_G, K_SYM, V_SYM, BLOCK_N)
                 else:
                     m, l, a0, a1, a2, a3 = attend_hot_block(
@@ -170,7 +172,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                         a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G,
                         V_BITS, V_G, K_SYM, V_SYM, PREC, BLOCK_N)
     if FOLD:
-        l, a0, a1, a2, a3 = folded_sums(lt, zt, a0, a1, a2, a3)
+        l, a0, a1, a2, a3 = folded_sums(lt, zt, wt, a0, a1, a2, a3, V_BITS, V_SYM)
     inv_l = tl.where(l > 0, 1.0 / tl.where(l > 0, l, 1.0), 0.0)[:, None]
     lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
     part = (b * Q_HEADS + qh).to(tl.int64) * NUM_SPLITS + sp
@@ -300,9 +302,10 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     (the first and the last) and attended in a loop of their own after the cold ones
     (``attend_hot_block_folded``), which keeps the kernel's registers to the cold loop's need.  A variant for
     the GPU to time (scripts/device/decode_variants.py): compiled for sm_90 (kernels/compile_check.py --sass)
-    it issues 41 warp-instructions per token with triton 3.6 (the default 112) and 48 with 3.8 (the default
-    60); 24 with ``num_warps=2`` under either, at 167-168 registers (12 warps per multiprocessor; the
-    default's 220-255: 8).
+    it issues 36 warp-instructions per token with triton 3.6 (the default 112) and 43 with 3.8 (the default
+    60); 21-22 with ``num_warps=2`` under either (19 over symmetric rows), at 168 registers (12 warps per
+    multiprocessor; the default's 220-255: 8).  The codes stay biased (``B_p + c``, one PTX instruction per
+    two codes), the biases taken off the logits and the outputs (``folded_bias``, ``folded_sums``).
 
     ``hot_loop`` (with ``hot_skip``; the folded loop always does): blocks with a hot row (the sink's, the recent
     window's) are noted in the loop over the blocks and attended in a loop of their own after it, 16 rows at a
