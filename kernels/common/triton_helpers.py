@@ -343,16 +343,16 @@ def attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs, qt0, qt1, qt2, q
 
 
 @triton.jit
-def folded_bias(qt0, qt1, qt2, qt3, K_BITS: tl.constexpr, K_SYM: tl.constexpr):
-    """The folded loop's sums of its fp16 queries ``[H, D // 4]`` pieces: ``qsum [H]``, and ``kbias [H]``, what the
+def folded_bias(q0, q1, q2, q3, K_BITS: tl.constexpr, K_SYM: tl.constexpr):
+    """The folded loop's sums of its fp16 queries' pieces ``[H, D // 4]``: ``qsum [H]``, and ``kbias [H]``, what the
     biased key codes (:func:`code_values`, ``B_p + c``) add to a dot, ``sum_p B_p sum(q_p)``, plus for symmetric
     keys their implied zero's share (zero ``-(L / 2)`` scale: ``(L / 2) sum(q)``, so that the logits need no
     zero term)."""
     b0, b1, b2, b3 = code_biases(K_BITS)
-    s0 = tl.sum(qt0.to(tl.float32), 1)
-    s1 = tl.sum(qt1.to(tl.float32), 1)
-    s2 = tl.sum(qt2.to(tl.float32), 1)
-    s3 = tl.sum(qt3.to(tl.float32), 1)
+    s0 = tl.sum(q0.to(tl.float32), 1)
+    s1 = tl.sum(q1.to(tl.float32), 1)
+    s2 = tl.sum(q2.to(tl.float32), 1)
+    s3 = tl.sum(q3.to(tl.float32), 1)
     qsum = s0 + s1 + s2 + s3
     kbias = b0 * s0 + b1 * s1 + b2 * s2 + b3 * s3
     if K_SYM:
@@ -499,10 +499,10 @@ def attend_hot_block_folded(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_h
     """The folded loop's step over a block with a hot row, tokens ``n0 + arange(BLOCK_N)`` (``< end``):
     ``HOT_ROWS`` tokens at a time (a loop, not unrolled) looked up and fetched again, dequantized (BF16 copies
     where hot) and attended in fp16 as :func:`attend_cold_block_folded` (scale 1, zero 0, no biases: ``wt`` and
-    ``zt`` only rescaled), each part's sum put in row 0 of ``lt``.  Its own loop after the cold blocks' and one part at a time: the kernel is allocated
-    registers for its largest need, and this rare branch inside the cold loop, with that loop's loads ahead
-    live, had set it (sm_90, d 128, triton 3.8: 255 registers, 8 warps per multiprocessor, at 2 and at 4
-    warps; 168 and 128 since)."""
+    ``zt`` only rescaled), each part's sum put in row 0 of ``lt``.  Its own loop after the cold blocks' and one
+    part at a time: the kernel is allocated registers for its largest need, and this rare branch inside the cold
+    loop, with that loop's loads ahead live, had set it (sm_90, d 128, triton 3.8: 255 registers, 8 warps per
+    multiprocessor, at 2 and at 4 warps; 168 and 128 since)."""
     first = (tl.arange(0, BLOCK_N) == 0)[:, None]
     one = tl.full([HOT_ROWS, 1], 1.0, tl.float32)
     for j in range(0, BLOCK_N, HOT_ROWS):

@@ -75,8 +75,8 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     if FOLD:  # transposed (attend_affine_t): fp16 queries [D/4, BLOCK_H], their sum and what the keys' biased
-        # codes add to a dot (folded_bias), outputs [D/4, BLOCK_H], the softmax's sum and the zeros' term (or for
-        # symmetric values the weights' sum) per row [BLOCK_N, BLOCK_H]
+        # codes add to a dot (folded_bias), outputs [D/4, BLOCK_H], and per row [BLOCK_N, BLOCK_H] the softmax's
+        # sum, the values' zeros' term and the weights' sum (for the values' biased codes)
         q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
         qsum, kbias = folded_bias(q0, q1, q2, q3, K_BITS, K_SYM)
         q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
