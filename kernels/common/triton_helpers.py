@@ -19,6 +19,8 @@ order.  Keys and values each have their own ``BITS`` and group ``G``
 symmetric rows (``SYM``: no stored zero).
 """
 
+import struct
+
 import triton
 import triton.language as tl
 
@@ -244,6 +246,11 @@ def code_bias(p: int, bits: int) -> float:
     return float(2 ** (10 - 2 * p)) if bits == 2 else 1024.0
 
 
+def code_magic(p: int, bits: int) -> int:
+    """The fp16 bits of :func:`code_bias` (its mantissa all zeros: OR-ing a code into it adds the code)."""
+    return int.from_bytes(struct.pack("<e", code_bias(p, bits)), "little")
+
+
 def int2_piece_ptx(p: int) -> str:
     """PTX for piece ``p`` of :func:`code_values` with INT2 words, four words (one per byte of ``$2``, word 0 the
     low byte) per call: ``prmt`` spreads bytes 0, 1 (2, 3) to the halves of a register, ``lop3`` ``(t & mask) |
@@ -253,7 +260,7 @@ def int2_piece_ptx(p: int) -> str:
     piece (not one for all four, whose eight outputs the compiler then moved into the MMA's operand registers;
     the four calls' ``prmt`` are the same instructions and are computed once)."""
     mask = 0x00030003 << (2 * p)
-    magic = ((25 - 2 * p) << 10) * 0x10001  # fp16 2^(10 - 2p) in both halves: exponent 10 - 2p (bias 15)
+    magic = code_magic(p, 2) * 0x10001  # fp16 2^(10 - 2p) in both halves
     return f"""{{
 .reg .b32 t<2>;
 prmt.b32 t0, $2, 0, 0x4140;
@@ -267,15 +274,20 @@ _INT2_PIECE0_PTX = tl.constexpr(int2_piece_ptx(0))
 _INT2_PIECE1_PTX = tl.constexpr(int2_piece_ptx(1))
 _INT2_PIECE2_PTX = tl.constexpr(int2_piece_ptx(2))
 _INT2_PIECE3_PTX = tl.constexpr(int2_piece_ptx(3))
+# code_bias and code_magic inside a kernel: INT2's four pieces, and wider codes' (one for every piece)
+_INT2_BIAS0, _INT2_BIAS1, _INT2_BIAS2, _INT2_BIAS3 = (tl.constexpr(code_bias(p, 2)) for p in range(4))
+_INT2_MAGIC0, _INT2_MAGIC1, _INT2_MAGIC2, _INT2_MAGIC3 = (tl.constexpr(code_magic(p, 2)) for p in range(4))
+_WIDE_BIAS = tl.constexpr(code_bias(0, 8))
+_WIDE_MAGIC = tl.constexpr(code_magic(0, 8))
 
 
 @triton.jit
 def code_biases(BITS: tl.constexpr):
     """:func:`code_bias` of the four pieces, inside a kernel."""
     if BITS == 2:
-        return 1024.0, 256.0, 64.0, 16.0
+        return _INT2_BIAS0, _INT2_BIAS1, _INT2_BIAS2, _INT2_BIAS3
     else:
-        return 1024.0, 1024.0, 1024.0, 1024.0
+        return _WIDE_BIAS, _WIDE_BIAS, _WIDE_BIAS, _WIDE_BIAS
 
 
 @triton.jit
@@ -293,16 +305,16 @@ def code_values(word, BITS: tl.constexpr, PACKED: tl.constexpr):
         x2 = tl.inline_asm_elementwise(_INT2_PIECE2_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
         x3 = tl.inline_asm_elementwise(_INT2_PIECE3_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
     elif BITS == 2:  # the PTX's values: bits 2p kept under fp16 2^(10 - 2p)
-        x0 = ((word & 0x03) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        x1 = ((word & 0x0C) | 0x5C00).to(tl.int16).to(tl.float16, bitcast=True)
-        x2 = ((word & 0x30) | 0x5400).to(tl.int16).to(tl.float16, bitcast=True)
-        x3 = ((word & 0xC0) | 0x4C00).to(tl.int16).to(tl.float16, bitcast=True)
+        x0 = ((word & 0x03) | _INT2_MAGIC0).to(tl.int16).to(tl.float16, bitcast=True)
+        x1 = ((word & 0x0C) | _INT2_MAGIC1).to(tl.int16).to(tl.float16, bitcast=True)
+        x2 = ((word & 0x30) | _INT2_MAGIC2).to(tl.int16).to(tl.float16, bitcast=True)
+        x3 = ((word & 0xC0) | _INT2_MAGIC3).to(tl.int16).to(tl.float16, bitcast=True)
     else:
         MASK: tl.constexpr = (1 << BITS) - 1
-        x0 = ((word & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        x1 = (((word >> BITS) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        x2 = (((word >> (2 * BITS)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        x3 = (((word >> (3 * BITS)) & MASK) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        x0 = ((word & MASK) | _WIDE_MAGIC).to(tl.int16).to(tl.float16, bitcast=True)
+        x1 = (((word >> BITS) & MASK) | _WIDE_MAGIC).to(tl.int16).to(tl.float16, bitcast=True)
+        x2 = (((word >> (2 * BITS)) & MASK) | _WIDE_MAGIC).to(tl.int16).to(tl.float16, bitcast=True)
+        x3 = (((word >> (3 * BITS)) & MASK) | _WIDE_MAGIC).to(tl.int16).to(tl.float16, bitcast=True)
     return x0, x1, x2, x3
 
 
