@@ -57,13 +57,15 @@ def test_loop_counts_read_the_decode_loops_sass():
     rows = {x["launch"]: x for x in json.loads(r.stdout.strip().splitlines()[-1])}
     default, fold = rows["decode d=128 int2 gqa=4"], rows["decode variant d=128 int2 gqa=4 fold=True"]
     # the default reads the hot rows' BF16 copies inside its loop, under a branch left out of the common path;
-    # with hot_loop (and the folded loop) blocks with a hot row go to a loop of their own after the main one
-    # (the first): that loop is all common path, the cold block's attention included (a forward branch jumps
-    # over it on a hot block)
+    # with hot_loop blocks with a hot row go to a loop of their own after the main one (the first): that loop is
+    # all common path, the cold block's attention included (a forward branch jumps over it on a hot block); the
+    # folded loop attends every block's cold rows without a branch around them (3.8: its one branch is the loop's
+    # own, back; 3.6 adds one over a single instruction), the hot rows in the loop after it
     assert 0 < default["common_path"] < default["loop"], default
     own = rows["decode variant d=128 int2 gqa=4 hot_loop=True"]
     for x in (fold, own):
         assert 0 < x["common_path"] == x["loop"], x
+    assert fold["ops"].get("BRA", 0) <= 2 and own["ops"].get("BRA", 0) >= 3, (fold["ops"], own["ops"])
     for x in (default, fold, own):
         assert x["ops"]["HMMA"] > 0 and sum(x["ops"].values()) == x["common_path"]
     # per 64-token block and thread (4 warps): the default converts each of its 128 codes to fp32 (an I2F each)

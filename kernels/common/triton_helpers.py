@@ -319,13 +319,14 @@ def code_values(word, BITS: tl.constexpr, PACKED: tl.constexpr):
 
 
 @triton.jit
-def attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs, qt0, qt1, qt2, qt3, qsum, kbias, valid, qk_scale, m,
+def attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs, qt0, qt1, qt2, qt3, qsum, kbias, valid, m,
                     o0, o1, o2, o3, K_ZERO: tl.constexpr):
     """One online-softmax step (base 2), transposed, over rows ``scale x + zero`` given by fp16 pieces ``x``
     (``k0..k3``, ``v0..v3``: ``[BLOCK_N, D // 4]``) and per-row ``ks, kz, vs`` (``[BLOCK_N, 1]``; the values' zeros
     are the caller's: ``sum_t p_t zero_t``).  The queries are the dots' right operand, ``qt0..qt3`` ``[D // 4,
-    H]`` fp16 (``qsum [H]`` the sum of their values), and so are the weights for the outputs ``o0..o3`` ``[D // 4,
-    H]``: the group's few query heads fill the MMA's 8-wide side instead of being padded to its 16 rows.
+    H]`` fp16, the softmax's scale (base 2) already in them (``qsum [H]`` the sum of their values), and so are the
+    weights for the outputs ``o0..o3`` ``[D // 4, H]``: the group's few query heads fill the MMA's 8-wide side
+    instead of being padded to its 16 rows.
 
     * logits ``k_t . q = ks_t (x_t . q - kbias) + kz_t sum(q)`` (``kbias [H]``: what the keys' biases add to
       the dots, :func:`folded_bias`; ``K_ZERO``: whether ``kz`` is added, else it is in ``kbias``),
@@ -339,9 +340,9 @@ def attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs, qt0, qt1, qt2, q
     s += tl.dot(k2, qt2)
     s += tl.dot(k3, qt3)
     if K_ZERO:
-        s = tl.where(valid, (s - kbias[None, :]) * (ks * qk_scale) + (kz * qk_scale) * qsum[None, :], float("-inf"))
+        s = tl.where(valid, (s - kbias[None, :]) * ks + kz * qsum[None, :], float("-inf"))
     else:
-        s = tl.where(valid, (s - kbias[None, :]) * (ks * qk_scale), float("-inf"))
+        s = tl.where(valid, (s - kbias[None, :]) * ks, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 0))
     base = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m - base)[None, :]
@@ -478,22 +479,23 @@ def attend_hot_block(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, q0,
 
 
 @triton.jit
-def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, tmask, qt0, qt1, qt2, qt3, qsum, kbias, qk_scale, m, lt, zt,
+def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, cold, qt0, qt1, qt2, qt3, qsum, kbias, m, lt, zt,
                              wt, o0, o1, o2, o3, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_SYM: tl.constexpr,
                              V_SYM: tl.constexpr, PACKED: tl.constexpr):
-    """:func:`attend_fetched_block` for a block without a hot row, of rows of one scale and zero each (the
-    decode's ``fold``), transposed (:func:`attend_affine_t`): the dots read the codes themselves, biased
+    """:func:`attend_fetched_block` over a block's rows ``cold`` (in the request, without a hot copy), of rows of
+    one scale and zero each (the decode's ``fold``), transposed (:func:`attend_affine_t`, the queries scaled for
+    the softmax): the dots read the codes themselves, biased
     (:func:`code_values`: ``B_p + c`` in fp16, exact; INT2's PTX one instruction per two codes), each row's
     scale and zero folded in where they are constant (``scale c + zero``).  What the keys' biases add to the
     logits is taken off them (``kbias``, :func:`folded_bias`, with symmetric keys' implied zero); the softmax's
     sum, the values' weights (``ps``, for their biases) and, unless symmetric, their zeros' term are kept per
     row, ``lt``, ``wt`` and ``zt`` ``[BLOCK_N, H]`` (rescaled as the outputs), and summed once at the end
-    (:func:`folded_sums`), so that a block reduces across warps for its maximum only.  A block with a hot row
-    goes to :func:`attend_hot_block_folded`, in a loop of its own."""
+    (:func:`folded_sums`), so that a block reduces across warps for its maximum only.  Every block comes here,
+    without a branch: the hot rows are :func:`attend_hot_block_folded`'s, in a loop of their own."""
     k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
     v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
     m, alpha, p, ps, o0, o1, o2, o3 = attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs,
-                                                      qt0, qt1, qt2, qt3, qsum, kbias, tmask[:, None], qk_scale, m,
+                                                      qt0, qt1, qt2, qt3, qsum, kbias, cold[:, None], m,
                                                       o0, o1, o2, o3, not K_SYM)
     lt = lt * alpha + p
     wt = wt * alpha + ps.to(tl.float32)
@@ -504,30 +506,28 @@ def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, tmask, qt0, qt1, qt2, qt3, 
 
 @triton.jit
 def attend_hot_block_folded(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, qt0, qt1, qt2, qt3, qsum,
-                            qk_scale, m, lt, zt, wt, o0, o1, o2, o3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                            D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
-                            V_G: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr, BLOCK_N: tl.constexpr,
+                            m, lt, zt, wt, o0, o1, o2, o3, D: tl.constexpr, BLOCK_N: tl.constexpr,
                             HOT_ROWS: tl.constexpr = 16):
-    """The folded loop's step over a block with a hot row, tokens ``n0 + arange(BLOCK_N)`` (``< end``):
-    ``HOT_ROWS`` tokens at a time (a loop, not unrolled) looked up and fetched again, dequantized (BF16 copies
-    where hot) and attended in fp16 as :func:`attend_cold_block_folded` (scale 1, zero 0, no biases: ``wt`` and
-    ``zt`` only rescaled), each part's sum put in row 0 of ``lt``.  Its own loop after the cold blocks' and one
-    part at a time: the kernel is allocated registers for its largest need, and this rare branch inside the cold
-    loop, with that loop's loads ahead live, had set it (sm_90, d 128, triton 3.8: 255 registers, 8 warps per
-    multiprocessor, at 2 and at 4 warps; 168 and 128 since)."""
+    """The folded loop's hot rows in a block that has some, tokens ``n0 + arange(BLOCK_N)`` (``< end``), whose
+    other rows :func:`attend_cold_block_folded` attended: ``HOT_ROWS`` tokens at a time (a loop, not unrolled)
+    looked up again, their BF16 copies read and attended in fp16 as there (scale 1, zero 0, no biases: ``wt``
+    and ``zt`` only rescaled), each part's sum put in row 0 of ``lt``.  In a loop of its own after the cold
+    loop and one part at a time: the kernel is allocated registers for its largest need, and this rare branch
+    inside the cold loop, with that loop's loads ahead live, had set it (sm_90, d 128, triton 3.8: 255
+    registers, 8 warps per multiprocessor, at 2 and at 4 warps; 167 and 128 since)."""
     first = (tl.arange(0, BLOCK_N) == 0)[:, None]
     one = tl.full([HOT_ROWS, 1], 1.0, tl.float32)
     for j in range(0, BLOCK_N, HOT_ROWS):
-        tm, ent, hkw, hks, hkz, hvw, hvs, hvz = fetch_part(n0 + j, end, tok_row_ptr, hot_index, kvh, KV, k_codes,
-                                                           k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS,
-                                                           K_G, V_BITS, V_G, K_SYM, V_SYM, HOT_ROWS)
-        hm = tm & (ent >= 0)
-        x0, x1, x2, x3 = dequant_rows(hkw, hks, hkz, k_hot, ent * KV + kvh, hm, D, K_BITS, False)
-        y0, y1, y2, y3 = dequant_rows(hvw, hvs, hvz, v_hot, ent * KV + kvh, hm, D, V_BITS, False)
+        t = n0 + j + tl.arange(0, HOT_ROWS)
+        tm = t < end
+        ent = slot_entries(block_slots(t, tm, tok_row_ptr), tm, hot_index)
+        hot = tm & (ent >= 0)
+        x0, x1, x2, x3 = load_row_pieces(k_hot + (ent * KV + kvh) * D, hot, D)
+        y0, y1, y2, y3 = load_row_pieces(v_hot + (ent * KV + kvh) * D, hot, D)
         m, part_alpha, part_p, _, o0, o1, o2, o3 = attend_affine_t(
             x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16), one, tl.zeros_like(one),
             y0.to(tl.float16), y1.to(tl.float16), y2.to(tl.float16), y3.to(tl.float16), one,
-            qt0, qt1, qt2, qt3, qsum, tl.zeros_like(qsum), tm[:, None], qk_scale, m, o0, o1, o2, o3, False)
+            qt0, qt1, qt2, qt3, qsum, tl.zeros_like(qsum), hot[:, None], m, o0, o1, o2, o3, False)
         lt = lt * part_alpha + tl.where(first, tl.sum(part_p, 0)[None, :], 0.0)
         zt = zt * part_alpha
         wt = wt * part_alpha

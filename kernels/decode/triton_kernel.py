@@ -74,10 +74,12 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         q0, q1, q2, q3 = load_row_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
-    if FOLD:  # transposed (attend_affine_t): fp16 queries [D/4, BLOCK_H], their sum and what the keys' biased
-        # codes add to a dot (folded_bias), outputs [D/4, BLOCK_H], and per row [BLOCK_N, BLOCK_H] the softmax's
-        # sum, the values' zeros' term and the weights' sum (for the values' biased codes)
-        q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
+    if FOLD:  # transposed (attend_affine_t): fp16 queries [D/4, BLOCK_H] times the softmax's scale, their sum
+        # and what the keys' biased codes add to a dot (folded_bias), outputs [D/4, BLOCK_H], and per row
+        # [BLOCK_N, BLOCK_H] the softmax's sum, the values' zeros' term and the weights' sum (for the values'
+        # biased codes)
+        q0, q1 = (q0 * qk_scale).to(tl.float16), (q1 * qk_scale).to(tl.float16)
+        q2, q3 = (q2 * qk_scale).to(tl.float16), (q3 * qk_scale).to(tl.float16)
         qsum, kbias = folded_bias(q0, q1, q2, q3, K_BITS, K_SYM)
         q0, q1, q2, q3 = tl.trans(q0), tl.trans(q1), tl.trans(q2), tl.trans(q3)
         lt = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
@@ -96,6 +98,9 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
     n = tl.arange(0, BLOCK_N)
     hot_lo = end  # HOT_LOOP: the first and last block starts with a hot row (none: an empty range)
     hot_hi = start - BLOCK_N
+    if FOLD:
+        hot_lo_rows = tl.full([BLOCK_N], 0, tl.int32) + end
+        hot_hi_rows = tl.full([BLOCK_N], 0, tl.int32) + (start - BLOCK_N)
     # PREFETCH 0: each block's three dependent loads (slot, hot entry, rows) in turn.  Else a software pipeline
     # over them: block j+2's slots and block j+1's hot entries are loaded while block j is computed (PREFETCH 1:
     # its rows loaded then); PREFETCH 2: also block j+1's rows, and block j+3's slots, j+2's entries.  Loads past
@@ -133,14 +138,19 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
                                                      v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
                                                      K_SYM, V_SYM)
-        if HOT_LOOP:  # a block with a hot row: its first and last start noted, attended in the loop after this one
+        if FOLD:  # every block's cold rows, without a branch (no reduction across warps, nothing kept in the loop
+            # but the sums); each hot row's block start noted in its lane (the first and last hot blocks, for the loop
+            # after this one: its hot rows only)
+            hot = tmask & (e0 >= 0)
+            hot_lo_rows = tl.minimum(hot_lo_rows, tl.where(hot, n0, end))
+            hot_hi_rows = tl.maximum(hot_hi_rows, tl.where(hot, n0, start - BLOCK_N))
+            m, lt, zt, wt, a0, a1, a2, a3 = attend_cold_block_folded(
+                kw, ks, kz, vw, vs, vz, tmask & (e0 < 0), q0, q1, q2, q3, qsum, kbias, m, lt, zt, wt,
+                a0, a1, a2, a3, K_BITS, V_BITS, K_SYM, V_SYM, PACKED)
+        elif HOT_LOOP:  # a block with a hot row: its first and last start noted, attended in the loop after this one
             if tl.max((tmask & (e0 >= 0)).to(tl.int32), 0) > 0:
                 hot_lo = tl.minimum(hot_lo, n0)
                 hot_hi = n0
-            elif FOLD:
-                m, lt, zt, wt, a0, a1, a2, a3 = attend_cold_block_folded(
-                    kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qsum, kbias, qk_scale, m, lt, zt, wt, a0, a1,
-                    a2, a3, K_BITS, V_BITS, K_SYM, V_SYM, PACKED)
             else:
                 m, l, a0, a1, a2, a3 = attend_cold_block(kw, ks, kz, vw, vs, vz, tmask, q0, q1, q2, q3, qk_scale,
                                                          m, l, a0, a1, a2, a3, K_BITS, V_BITS, PREC)
@@ -155,6 +165,9 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         elif PREFETCH == 1:
             s0, e0 = s1, e1
             s1 = s_lead
+    if FOLD:
+        hot_lo = tl.min(hot_lo_rows, 0)
+        hot_hi = tl.max(hot_hi_rows, 0)
     if HOT_LOOP:  # the blocks with a hot row, from the first to the last noted (a split's are few: sink, recent)
         for n0 in range(hot_lo, hot_hi + 1, BLOCK_N):
             t = n0 + n
@@ -163,9 +176,8 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
             if tl.max((tmask & (entries >= 0)).to(tl.int32), 0) > 0:
                 if FOLD:
                     m, lt, zt, wt, a0, a1, a2, a3 = attend_hot_block_folded(
-                        n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qsum, qk_scale, m,
-                        lt, zt, wt, a0, a1, a2, a3, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, D, K_BITS, K_G,
-                        V_BITS, V_G, K_SYM, V_SYM, BLOCK_N)
+                        n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qsum, m, lt, zt, wt,
+                        a0, a1, a2, a3, D, BLOCK_N)
                 else:
                     m, l, a0, a1, a2, a3 = attend_hot_block(
                         n0, end, tok_row, hot_index, kvh, KV, k_hot, v_hot, q0, q1, q2, q3, qk_scale, m, l,
@@ -298,12 +310,13 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     unpacked to fp16 two per instruction by inline PTX on a GPU, transposed fp16 dots so that the GQA group
     fills the MMA's 8-wide side, blocks with a hot row dequantized 16 rows at a time); for formats of one
     group per row, with ``hot_skip`` (else ignored); the rotated queries and the hot rows' BF16 copies must
-    fit fp16's range (|x| < 65504; a model's are tens, rarely hundreds).  Blocks with a hot row are noted
-    (the first and the last) and attended in a loop of their own after the cold ones
-    (``attend_hot_block_folded``), which keeps the kernel's registers to the cold loop's need.  A variant for
-    the GPU to time (scripts/device/decode_variants.py): compiled for sm_90 (kernels/compile_check.py --sass)
-    it issues 36 warp-instructions per token with triton 3.6 (the default 112) and 43 with 3.8 (the default
-    60); 21-22 with ``num_warps=2`` under either (19 over symmetric rows), at 168 registers (12 warps per
+    fit fp16's range (|x| < 65504; a model's are tens, rarely hundreds).  The loop has no branch: every
+    block's rows without a hot copy are attended there, and the blocks with a hot row (the first to the last
+    noted) attend their hot rows in a loop of their own after it (``attend_hot_block_folded``), which keeps
+    the kernel's registers to the cold loop's need.  A variant for the GPU to time
+    (scripts/device/decode_variants.py): compiled for sm_90 (kernels/compile_check.py --sass) it issues 37
+    warp-instructions per token with triton 3.6 (the default 112) and 41 with 3.8 (the default 60); 20-21 with
+    ``num_warps=2`` under either (18-19 over symmetric rows), at 156-167 registers (12 warps per
     multiprocessor; the default's 220-255: 8).  The codes stay biased (``B_p + c``, one PTX instruction per
     two codes), the biases taken off the logits and the outputs (``folded_bias``, ``folded_sums``).
 
