@@ -95,12 +95,20 @@ def _no_merge(mid_o, mid_lse, *_, **__):
     return torch.zeros(mid_o.shape[0], mid_o.shape[1], mid_o.shape[3])
 
 
+def _torch_rotation(q, q_rot):
+    """Stands in for the query rotation kernel (recorded on its own) in front of a recorded split kernel."""
+    from oscar_sglang.rotation import rotate_queries
+
+    return rotate_queries(q, q_rot).contiguous()
+
+
 def launches() -> list[tuple[str, object, tuple, dict]]:
     """Representative launches of every kernel: (label, jit function, args, constexpr kwargs)."""
     from oscar_sglang import format as fmt
 
     from . import layout, scenario
     from .decode import bf16_baseline
+    from .decode import query_rotation as qrot
     from .decode import triton_kernel as dec
     from .extend import triton_kernel as ext
     from .hot_pass import triton_kernel as hot
@@ -115,6 +123,7 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
             out.append((label, fn, args, {**kwargs, **override}))
 
     int2, int4, int8 = fmt.RowFormat(2), fmt.RowFormat(4), fmt.RowFormat(8)
+    rotations = set()
     for d, kf, vf, gqa in ((128, int2, int2, 4), (128, fmt.RowFormat(2, 32), fmt.RowFormat(2, 32), 3),
                            (64, int2, int2, 8), (64, fmt.RowFormat(2, 32), fmt.RowFormat(2, 32), 1),
                            (128, int4, int2, 4), (64, int8, fmt.RowFormat(4, 16), 4),
@@ -131,7 +140,11 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                f"d={d} K {kf.name(d)} V {vf.name(d)} gqa={gqa}")
         add(f"write {tag}", wr, "_write_kernel",
             lambda: wr.write_kv(k, v, torch.arange(4), store, rot, torch.tensor([0, -1, 2, 3])))
-        with _replaced(dec, "merge_splits", _no_merge):
+        if (d, gqa) not in rotations:  # the query rotation kernel (bf16 queries, as a server passes them)
+            rotations.add((d, gqa))
+            add(f"decode query rotation d={d} gqa={gqa}", qrot, "_rotate_queries_kernel",
+                lambda: qrot.rotated_queries(q.bfloat16(), rot.q_rot))
+        with _replaced(dec, "merge_splits", _no_merge), _replaced(dec, "rotated_queries", _torch_rotation):
             for in_kernel in (False, True):  # queries rotated before the launch / inside it (small grids)
                 add(f"decode {tag}{' q-rot in kernel' if in_kernel else ''}", dec, "_decode_split_kernel",
                     lambda: dec.decode_attention(q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,

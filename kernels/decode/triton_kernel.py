@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from oscar_sglang.rotation import rotate_queries
 
 from ..common.triton_helpers import (attend_cold_block, attend_cold_block_folded, attend_fetched_block,
                                      attend_hot_block, attend_hot_block_folded, bf16_rne, block_slots,
@@ -32,6 +31,7 @@ from ..common.triton_helpers import (attend_cold_block, attend_cold_block_folded
 from ..interpret import interpreted
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 from ..occupancy import Multiprocessor, compiled_resources, resident_programs
+from .query_rotation import rotated_queries
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -290,7 +290,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
 
     ``rotate_q_in_kernel`` (default: automatic): rotate the queries inside the split kernel (two launches
-    in all) or before it in torch (four: a cast and a matmul more).  Automatic chooses the kernel where the
+    in all) or before it (three: ``query_rotation.rotated_queries``, one launch where torch's cast, matmul and
+    copies were four, until 2026-12-05).  Automatic chooses the kernel where the
     grid is at most :data:`ROTATE_IN_KERNEL_WAVES` programs per multiprocessor (small batches, where a
     launch costs more than the work and occupancy does not matter: ``choose_splits`` sizes such grids to
     2 per multiprocessor, all resident at once), torch beyond (the rotation costs the split kernel registers:
@@ -361,7 +362,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     if rotate_q_in_kernel is None:
         rotate_q_in_kernel = rotates_q_in_kernel(bsz, kv, splits, q.device)
     if not rotate_q_in_kernel:
-        q_in = rotate_queries(q, rot.q_rot).contiguous()
+        q_in = rotated_queries(q, rot.q_rot)
     else:
         q_in = q if q.stride(-1) == 1 else q.contiguous()
     fold = bool(fold and hot_skip and kf.group_for(d) == d and vf.group_for(d) == d)
