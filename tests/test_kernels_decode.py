@@ -121,6 +121,33 @@ def test_blocks_with_hot_rows_in_their_own_loop_match_the_reference(fold, hot_lo
             assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (i, err)
 
 
+@pytest.mark.parametrize("fold", [False, True])
+def test_decode_gives_no_weight_to_what_hot_rows_and_the_padding_slot_hold(fold):
+    """The decode loads every row's codes without a mask (the scales and zeros of its cold rows only, the rows it
+    weighs): a hot row's codes, scale and zero, and the padding slot's (tokens past a request's end read slot 0),
+    may hold anything, NaN scales included, without changing the result (default and folded loops, hot rows in
+    and out of the loop)."""
+    lens = [5, 70, 33]
+    paged, rot, store = build(lens, 128, None, 16, True, 21, sink=3, recent=10)
+    q = torch.randn(len(lens), KV * 4, 128, generator=torch.Generator().manual_seed(21)).to(DEVICE)
+    args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+    ref = reference.decode_attention(*args, 128**-0.5)
+    poison = store.hot_index >= 0
+    poison[:16] = True  # page 0: the padding slot's (no request's)
+    assert poison.sum() > 16 and all(bool((~poison[paged.slots(b)]).any()) for b in (1, 2))  # 5 tokens: all hot
+    g = torch.Generator().manual_seed(5)
+    for codes in (store.k_codes, store.v_codes):
+        codes[poison] = torch.randint(0, 256, codes[poison].shape, generator=g, dtype=torch.uint8).to(DEVICE)
+    for t, bad in ((store.k_scale, float("nan")), (store.k_zero, float("inf")), (store.v_scale, float("nan")),
+                   (store.v_zero, float("-inf"))):
+        t[poison] = bad
+    for kw in (dict(block_n=32), dict(block_n=64, hot_loop=True), dict(block_n=16, prefetch=2)):
+        out = api.decode_attention(*args, backend="triton", num_splits=3, fold=fold, **kw)
+        err = (out - ref).abs().max().item()
+        assert torch.isfinite(out).all(), kw
+        assert err < (2**-9 * ref.abs().max().item() if fold else ATOL + RTOL * ref.abs().max().item()), (kw, err)
+
+
 def test_decode_with_bf16_dots_is_within_bf16_rounding_of_the_reference():
     """``dots="bf16"``: queries, keys, softmax weights and values rounded to bf16 before the dots (fp32 sums)."""
     paged, rot, store = build([1, 17, 70], 128, None, 16, True, 11, formats=FORMATS[3])

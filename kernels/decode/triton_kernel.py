@@ -315,9 +315,9 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     block's rows without a hot copy are attended there, and the blocks with a hot row (the first to the last
     noted) attend their hot rows in a loop of their own after it (``attend_hot_block_folded``), which keeps
     the kernel's registers to the cold loop's need.  A variant for the GPU to time
-    (scripts/device/decode_variants.py): compiled for sm_90 (kernels/compile_check.py --sass) it issues 37
-    warp-instructions per token with triton 3.6 (the default 112) and 41 with 3.8 (the default 60); 20-21 with
-    ``num_warps=2`` under either (18-19 over symmetric rows), at 156-167 registers (12 warps per
+    (scripts/device/decode_variants.py): compiled for sm_90 (kernels/compile_check.py --sass) it issues 36
+    warp-instructions per token with triton 3.6 (the default 112) and 39 with 3.8 (the default 60); 19-20 with
+    ``num_warps=2`` under either (18 over symmetric rows), at 161-167 registers (12 warps per
     multiprocessor; the default's 220-255: 8).  The codes stay biased (``B_p + c``, one PTX instruction per
     two codes), the biases taken off the logits and the outputs (``folded_bias``, ``folded_sums``).
 
