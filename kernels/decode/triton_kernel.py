@@ -9,8 +9,8 @@ merges the splits, de-rotates the output and casts it to the query's dtype
 on small grids (``rotate_rows``, as the write kernel rotates keys: fp32 IEEE
 dots, each program its own group's rows), so a small batch's decode is two
 launches per layer, as SGLang's own Triton decode is; on large grids it is
-rotated before, in torch (a cast and a matmul), to keep stage 1's registers
-low (see ``decode_attention``).
+rotated before, by a launch of its own (``query_rotation.py``), to keep stage 1's
+registers low (see ``decode_attention``).
 
 Keys and values are read in their own formats (constexprs ``K_BITS``/``K_G``,
 ``V_BITS``/``V_G``; 2, 4 or 8 bits, from ``store.k_format``/``v_format``),
@@ -294,7 +294,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     copies were four, until 2026-12-05).  Automatic chooses the kernel where the
     grid is at most :data:`ROTATE_IN_KERNEL_WAVES` programs per multiprocessor (small batches, where a
     launch costs more than the work and occupancy does not matter: ``choose_splits`` sizes such grids to
-    2 per multiprocessor, all resident at once), torch beyond (the rotation costs the split kernel registers:
+    2 per multiprocessor, all resident at once), the rotation's own launch beyond (inside, the rotation costs
+    the split kernel registers and every split repeats it:
     for d 128 INT2, GQA 4, on sm_90, 125 -> 196 with triton 3.6, the GPU machine's, and 167 -> 178 with
     3.8: programs resident per multiprocessor 4 -> 2 and 3 -> 2).
 
