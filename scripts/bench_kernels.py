@@ -368,7 +368,7 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
         row["int2_default_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx))
     # where the queries are rotated: the automatic choice (timed above) against the other one
     in_kernel = grid["rotate_q_in_kernel"]
-    row["q_rot"] = "kernel" if in_kernel else "torch"
+    row["q_rot"] = "kernel" if in_kernel else "launch"
     row["int2_other_q_rot_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx,
                                                                           rotate_q_in_kernel=not in_kernel,
                                                                           **served))
@@ -412,6 +412,8 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
                 problems.append(f"{where}: {key} = {row[key]:.2e} > {TOL_BASELINE}")
     if DEVICE.type == "cuda" and (batch, ctx) in GRAPH_CASES:
         fns = {"int2": lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **served),
+               "int2_other_q_rot": lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx,
+                                                                      rotate_q_in_kernel=not in_kernel, **served),
                "triton_bf16": tbf16}
         if row.get("sdpa_ms") is not None:
             fns["sdpa"] = bl.in_backend(backend, next(fn for form, fn, _ in runs if form == row["sdpa_backend"]))
@@ -596,9 +598,9 @@ def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: l
     lines += bl.graph_lines(decode)
     lines += ["", "## Where the queries are rotated (INT2 decode)", "",
               "The automatic choice rotates them inside the split kernel (2 launches per layer) when its grid is "
-              f"at most {decode_tk.ROTATE_IN_KERNEL_WAVES} programs per multiprocessor, else before it in torch "
-              "(4 launches, fewer registers); the INT2 columns above are the automatic choice. other / chosen "
-              "> 1: the choice was the faster one.", "",
+              f"at most {decode_tk.ROTATE_IN_KERNEL_WAVES} programs per multiprocessor, else before it by a "
+              "launch of its own (3 launches, fewer registers; until 2026-12-05 in torch, 6); the INT2 columns "
+              "above are the automatic choice. other / chosen > 1: the choice was the faster one.", "",
               "| d | batch | context | splits | chosen | INT2 ms, chosen | INT2 ms, other | other / chosen |",
               "|---|---|---|---|---|---|---|---|"]
     for r in decode:

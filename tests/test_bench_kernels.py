@@ -190,7 +190,7 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
         assert row["best_bf16"] in ("triton_bf16", "sdpa", "flashinfer") and row["speedup"] > 0
         assert row["smoke_page_table_vs_fp32"] < 1e-3 and row["smoke_triton_bf16_vs_fp32"] < 2e-2
         assert row["int4k_ms"] > 0 and row["int4k_MB"] > row["int2_MB"] and row["speedup_int4k"] > 0
-        assert row["q_rot"] in ("kernel", "torch") and row["int2_other_q_rot_ms"] > 0
+        assert row["q_rot"] in ("kernel", "launch") and row["int2_other_q_rot_ms"] > 0
     # the INT2 columns are the loop a server's startup timing chose here (per head size), the default beside it
     served = data["meta"]["served_decode"]
     assert set(served) == {"128", "64"} and all(c["summary"].startswith("decode loop: ") for c in served.values())
@@ -233,7 +233,7 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
 
     for row in data["decode"]:  # the label is the choice decode_attention made (CPU: 4 "multiprocessors")
         chosen = rotates_q_in_kernel(row["batch"], row["kv_heads"], row["splits"], torch.device("cpu"))
-        assert row["q_rot"] == ("kernel" if chosen else "torch")
+        assert row["q_rot"] == ("kernel" if chosen else "launch")
     # the GPU-proof goals read this report's keys (scripts/device/goals.py), judged here from the longest context
     goals = load_script("device/goals.py")
     bandwidth, batch1 = goals.kernel_goals(data, long=320)
@@ -285,13 +285,14 @@ def test_decode_graph_times_and_their_section(monkeypatch):
         return SimpleNamespace(replay=fn), None
 
     monkeypatch.setattr(scenario, "capture_graph", capture)
-    ms = {"a": 0.02, "b": 0.08, "c": 0.06}
-    out = bl.graph_times({"int2": "a", "triton_bf16": "b", "sdpa": "c", "flashinfer": "broken"}, ms.get)
+    ms = {"a": 0.02, "b": 0.08, "c": 0.06, "d": 0.025}
+    out = bl.graph_times({"int2": "a", "int2_other_q_rot": "d", "triton_bf16": "b", "sdpa": "c",
+                          "flashinfer": "broken"}, ms.get)
     assert (out["int2_ms"], out["triton_bf16_ms"], out["sdpa_ms"]) == (0.02, 0.08, 0.06)
     assert out["speedup"] == pytest.approx(3.0) and out["flashinfer_ms"] is None
     assert out["flashinfer_note"].startswith("RuntimeError: operation not permitted")
     lines = bl.graph_lines([{"d": 128, "batch": 1, "context": 32768, "graph": out}, {"d": 64, "batch": 8}])
     assert "## Decode in CUDA graphs (the goals' shapes)" in lines
-    assert lines[-1] == ("| 128 | 1 | 32768 | 0.0200 | 0.0800 | 0.0600 | 3.00 | flashinfer: RuntimeError: "
+    assert lines[-1] == ("| 128 | 1 | 32768 | 0.0200 | 0.0250 | 0.0800 | 0.0600 | 3.00 | flashinfer: RuntimeError: "
                          "operation not permitted when stream is capturing |")
     assert bl.graph_lines([{"d": 64, "batch": 8}]) == []

@@ -28,6 +28,11 @@ def test_kernel_goals_count_long_contexts_of_the_8b_head_shape():
     assert bandwidth["verdict"] == "met in 2 of 3"
     assert bandwidth["measured"] == "d128 b1 32k: 50%; d128 b1 128k: 80%; d128 b32 32k: 90%"
     assert batch1["verdict"] == "met in 1 of 2" and "d128 128k: 3.90x vs sdpa" in batch1["measured"]
+    assert "CUDA graphs" not in batch1["measured"]
+    kernels["decode"][1]["graph"] = {"int2_ms": 0.01, "speedup": 4.25}  # recorded at batch 1, 32k (and 32)
+    kernels["decode"][3]["graph"] = {"int2_ms": 0.9, "speedup": 7.0}
+    _, batch1 = goals.kernel_goals(kernels)
+    assert batch1["measured"].endswith("; in CUDA graphs: d128 32k: 4.25x") and batch1["verdict"] == "met in 1 of 2"
 
 
 def test_kernel_goals_fall_back_to_what_was_measured_and_never_pass_empty():
