@@ -136,10 +136,11 @@ def _hot_pieces(hot_ptr, hot_row, hot, x0, x1, x2, x3, D: tl.constexpr):
 
 @triton.jit
 def rotate_rows(x_ptr, mean_ptr, rot_ptr, tmask, HAS_MEAN: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
-                KC: tl.constexpr):
+                KC: tl.constexpr, PREC: tl.constexpr = "ieee"):
     """Pieces of ``(x - mean) @ R`` for rows at ``x_ptr[BLOCK_T]`` (row starts; fp32, IEEE dots, ``KC`` input
     columns at a time, small operands, no register spills): the write kernel's keys and values, the decode
-    kernel's queries."""
+    kernel's queries.  ``PREC``: the dots' precision, IEEE unless said ("tf32": tensor cores on a GPU, each
+    product's operands rounded to 10-bit mantissas; the decode's queries, which its dots round as much)."""
     i = tl.arange(0, D // 4)
     c = tl.arange(0, KC)
     x0 = tl.zeros([BLOCK_T, D // 4], tl.float32)
@@ -151,10 +152,10 @@ def rotate_rows(x_ptr, mean_ptr, rot_ptr, tmask, HAS_MEAN: tl.constexpr, BLOCK_T
         if HAS_MEAN:
             x = x - tl.load(mean_ptr + k0 + c)[None, :]
         r = rot_ptr + (k0 + c)[:, None] * D + 4 * i[None, :]
-        x0 += tl.dot(x, tl.load(r + 0), input_precision="ieee")
-        x1 += tl.dot(x, tl.load(r + 1), input_precision="ieee")
-        x2 += tl.dot(x, tl.load(r + 2), input_precision="ieee")
-        x3 += tl.dot(x, tl.load(r + 3), input_precision="ieee")
+        x0 += tl.dot(x, tl.load(r + 0), input_precision=PREC)
+        x1 += tl.dot(x, tl.load(r + 1), input_precision=PREC)
+        x2 += tl.dot(x, tl.load(r + 2), input_precision=PREC)
+        x3 += tl.dot(x, tl.load(r + 3), input_precision=PREC)
     return x0, x1, x2, x3
 
 

@@ -67,9 +67,11 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
     h = tl.arange(0, BLOCK_H)
     hmask = h < GQ
     qh = kvh * GQ + h
-    if ROTATE_Q:  # q @ R_K[kvh] here (q_ptr: the unrotated queries, any float dtype)
+    if ROTATE_Q:  # q @ R_K[kvh] here (q_ptr: the unrotated queries, any float dtype), TF32 dots on a GPU: every
+        # split repeats it, and IEEE fp32 dots took the program ~3300 instructions before its loop (sm_90, triton
+        # 3.6), TF32 ~1200-1500; the dots after round the queries to TF32 (default) or fp16 (fold) anyway
         q0, q1, q2, q3 = rotate_rows(q_ptr + b * stride_qb + qh * stride_qh, q_rot, q_rot + kvh * D * D, hmask,
-                                     False, BLOCK_H, D, 32)
+                                     False, BLOCK_H, D, 32, "tf32")
     else:  # q_ptr: fp32 queries rotated before the launch
         q0, q1, q2, q3 = load_row_pieces(q_ptr + b * stride_qb + qh * stride_qh, hmask, D)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
