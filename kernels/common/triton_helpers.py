@@ -72,7 +72,7 @@ def code_word_ptr(codes_ptr, BITS: tl.constexpr):
 
 @triton.jit
 def fetch_rows(codes_ptr, scale_ptr, zero_ptr, row, cold, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-               SYM: tl.constexpr, ALL_CODES: tl.constexpr = False):
+               SYM: tl.constexpr, ALL_CODES: tl.constexpr):
     """The stored (cold) part of rows ``row`` as loaded: code words ``[BLOCK_N, D // 4]`` (int32, four codes
     each) and fp32 scale and zero per piece column (``[BLOCK_N, D // 4]``, or ``[BLOCK_N, 1]`` for one group per
     row).  ``SYM``: symmetric rows, no stored zero (``zero_ptr`` unused): ``zero = -(L / 2) * scale``, exact in
@@ -136,11 +136,12 @@ def _hot_pieces(hot_ptr, hot_row, hot, x0, x1, x2, x3, D: tl.constexpr):
 
 @triton.jit
 def rotate_rows(x_ptr, mean_ptr, rot_ptr, tmask, HAS_MEAN: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr,
-                KC: tl.constexpr, PREC: tl.constexpr = "ieee"):
+                KC: tl.constexpr, PREC: tl.constexpr):
     """Pieces of ``(x - mean) @ R`` for rows at ``x_ptr[BLOCK_T]`` (row starts; fp32, IEEE dots, ``KC`` input
     columns at a time, small operands, no register spills): the write kernel's keys and values, the decode
-    kernel's queries.  ``PREC``: the dots' precision, IEEE unless said ("tf32": tensor cores on a GPU, each
-    product's operands rounded to 10-bit mantissas; the decode's queries, which its dots round as much)."""
+    kernel's queries.  ``PREC``: the dots' precision, "ieee" (the write kernel's, for bit-exact codes) or "tf32"
+    (tensor cores on a GPU, each product's operands rounded to 10-bit mantissas; the decode's queries, which its
+    dots round as much).  Passed by every caller: Triton 3.6 fails on a string constexpr left to its default."""
     i = tl.arange(0, D // 4)
     c = tl.arange(0, KC)
     x0 = tl.zeros([BLOCK_T, D // 4], tl.float32)

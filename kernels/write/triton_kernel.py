@@ -139,12 +139,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
     t64 = t.to(tl.int64)
     if tl.program_id(2) == 0:  # keys and values in programs of their own: half the serial chain of a few tokens
         x0, x1, x2, x3 = rotate_rows(k_ptr + t64 * stride_kt + h * stride_kh, k_mean + h * D, k_rot + h * D * D,
-                                     tmask, True, BLOCK_T, D, KC)
+                                     tmask, True, BLOCK_T, D, KC, "ieee")
         _quantize_store(x0, x1, x2, x3, tl.load(k_clip + h), k_codes, k_scale, k_zero, k_hot,
                         row, hot_row, tmask, hmask, HAS_HOT, D, K_G, K_BITS, K_SYM)
     else:
         x0, x1, x2, x3 = rotate_rows(v_ptr + t64 * stride_vt + h * stride_vh, k_mean, v_rot + h * D * D, tmask,
-                                     False, BLOCK_T, D, KC)
+                                     False, BLOCK_T, D, KC, "ieee")
         _quantize_store(x0, x1, x2, x3, tl.load(v_clip + h), v_codes, v_scale, v_zero, v_hot,
                         row, hot_row, tmask, hmask, HAS_HOT, D, V_G, V_BITS, V_SYM)
 
