@@ -77,3 +77,25 @@ def test_loop_counts_read_the_decode_loops_sass():
     assert fold["ops"].get("I2FP", 0) + fold["ops"].get("I2F", 0) == 0
     assert fold["ops"].get("LOP3", 0) >= 64 and fold["ops"].get("HFMA2", 0) < 32
     assert fold["common_path"] < default["common_path"]
+
+
+def test_no_jit_function_leaves_a_string_constexpr_to_its_default():
+    """Triton 3.6, the H200 machine's, fails to compile a call to a ``@triton.jit`` function that leaves a string
+    ``tl.constexpr`` parameter to its default ("'str' object has no attribute 'type'"); 3.8, CI's, accepts it, so
+    only the GPU (or the dry run's 3.6 compile check) would find it.  Every such default in kernels/ is refused
+    here (ints are fine with both)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "kernels"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef) or not any("jit" in ast.unparse(d) for d in fn.decorator_list):
+                continue
+            args = fn.args.args[len(fn.args.args) - len(fn.args.defaults):]
+            for arg, default in zip(args, fn.args.defaults):
+                if isinstance(default, ast.Constant) and isinstance(default.value, str):
+                    found.append(f"{path.relative_to(root)}:{fn.lineno} {fn.name}({arg.arg}={default.value!r})")
+    assert not found, found
+    assert any(p.name == "triton_helpers.py" for p in root.rglob("*.py"))  # the walk saw the device functions
