@@ -100,13 +100,13 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
     n = tl.arange(0, BLOCK_N)
     hot_lo = end  # HOT_LOOP: the first and last block starts with a hot row (none: an empty range)
     hot_hi = start - BLOCK_N
-    if FOLD:
+    if FOLD:  # the same per lane, reduced after the loop (no reduction across warps inside it)
         hot_lo_rows = tl.full([BLOCK_N], 0, tl.int32) + end
         hot_hi_rows = tl.full([BLOCK_N], 0, tl.int32) + (start - BLOCK_N)
     # PREFETCH 0: each block's three dependent loads (slot, hot entry, rows) in turn.  Else a software pipeline
     # over them: block j+2's slots and block j+1's hot entries are loaded while block j is computed (PREFETCH 1:
-    # its rows loaded then); PREFETCH 2: also block j+1's rows, and block j+3's slots, j+2's entries.  Loads past
-    # ``end`` are masked off.
+    # its rows loaded then); PREFETCH 2: also block j+1's rows, and block j+3's slots, j+2's entries.  Past
+    # ``end`` the slots read 0 (the padding slot, whose codes are read, never weighed) and the rest is masked.
     LEAD: tl.constexpr = PREFETCH + 1  # blocks ahead whose slots are loaded
     if PREFETCH > 0:
         s0 = block_slots(start + n, start + n < end, tok_row)
