@@ -6,8 +6,8 @@ group (padded to at least 16 rows for ``tl.dot``), and writes a normalised
 partial output and its log2-sum-exp.  Stage 2, grid ``(batch, q_heads)``,
 merges the splits, de-rotates the output and casts it to the query's dtype
 (one launch; these were three in torch).  The query is rotated inside stage 1
-on small grids (``rotate_rows``, as the write kernel rotates keys: fp32 IEEE
-dots, each program its own group's rows), so a small batch's decode is two
+on small grids (``rotate_rows``, as the write kernel rotates keys, with TF32
+dots here, each program its own group's rows), so a small batch's decode is two
 launches per layer, as SGLang's own Triton decode is; on large grids it is
 rotated before, by a launch of its own (``query_rotation.py``), to keep stage 1's
 registers low (see ``decode_attention``).
@@ -22,7 +22,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-
 
 from ..common.triton_helpers import (attend_cold_block, attend_cold_block_folded, attend_fetched_block,
                                      attend_hot_block, attend_hot_block_folded, bf16_rne, block_slots,
