@@ -363,15 +363,18 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
     grid: dict = {}  # the served loop's split count and where it rotates the queries, as the launch chose them
     decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, report=grid, **served)
     row["splits"] = grid["splits"]
-    row["int2_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **served))
+    in_kernel = grid["rotate_q_in_kernel"]
+
+    def int2(other_q_rot=False):  # the served loop; with other_q_rot, the queries rotated where it does not
+        return decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **served,
+                                          **({"rotate_q_in_kernel": not in_kernel} if other_q_rot else {}))
+
+    row["int2_ms"] = timed(int2)
     if served:
         row["int2_default_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx))
     # where the queries are rotated: the automatic choice (timed above) against the other one
-    in_kernel = grid["rotate_q_in_kernel"]
     row["q_rot"] = "kernel" if in_kernel else "launch"
-    row["int2_other_q_rot_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx,
-                                                                          rotate_q_in_kernel=not in_kernel,
-                                                                          **served))
+    row["int2_other_q_rot_ms"] = timed(lambda: int2(other_q_rot=True))
     st4 = with_keys(st, k4)  # the same tokens, hot rows and values; INT4 keys
     row["int4k_ms"] = timed(lambda: decode_tk.decode_attention(q, st4, rot, *targs, max_seq_len=ctx, **served))
 
@@ -411,10 +414,7 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
             if not row[key] < TOL_BASELINE:
                 problems.append(f"{where}: {key} = {row[key]:.2e} > {TOL_BASELINE}")
     if DEVICE.type == "cuda" and (batch, ctx) in GRAPH_CASES:
-        fns = {"int2": lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **served),
-               "int2_other_q_rot": lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx,
-                                                                      rotate_q_in_kernel=not in_kernel, **served),
-               "triton_bf16": tbf16}
+        fns = {"int2": int2, "int2_other_q_rot": lambda: int2(other_q_rot=True), "triton_bf16": tbf16}
         if row.get("sdpa_ms") is not None:
             fns["sdpa"] = bl.in_backend(backend, next(fn for form, fn, _ in runs if form == row["sdpa_backend"]))
         row["graph"] = bl.graph_times(fns, timed)

@@ -87,15 +87,16 @@ def test_no_jit_function_leaves_a_string_constexpr_to_its_default():
     import ast
 
     root = Path(__file__).resolve().parents[1] / "kernels"
-    found = []
+    found, jitted = [], 0
     for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text())
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef) or not any("jit" in ast.unparse(d) for d in fn.decorator_list):
                 continue
+            jitted += 1
             args = fn.args.args[len(fn.args.args) - len(fn.args.defaults):]
             for arg, default in zip(args, fn.args.defaults):
                 if isinstance(default, ast.Constant) and isinstance(default.value, str):
                     found.append(f"{path.relative_to(root)}:{fn.lineno} {fn.name}({arg.arg}={default.value!r})")
     assert not found, found
-    assert any(p.name == "triton_helpers.py" for p in root.rglob("*.py"))  # the walk saw the device functions
+    assert jitted > 40, jitted  # the walk saw the kernels and their device functions

@@ -23,9 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # device_check.sh's kernel_tests step without its CUDA-only graph test (tests/test_device_check_steps.py holds
 # the two lists together)
 KERNEL_TESTS = ["tests/test_kernels_write.py", "tests/test_kernels_decode.py", "tests/test_kernels_query_rotation.py",
-                "tests/test_kernels_extend.py",
-                "tests/test_kernels_read.py", "tests/test_kernels_repin.py", "tests/test_kernels_hot_pass.py",
-                "tests/test_hot_plan.py", "tests/test_decode_autotune.py"]
+                "tests/test_kernels_extend.py", "tests/test_kernels_read.py", "tests/test_kernels_repin.py",
+                "tests/test_kernels_hot_pass.py", "tests/test_hot_plan.py", "tests/test_decode_autotune.py"]
 
 
 @functools.cache
