@@ -44,14 +44,15 @@ def round_half_even(y):
 
 
 @triton.jit
-def load_piece_scale(ptr, row, mask, D: tl.constexpr, G: tl.constexpr):
-    """fp16 scale (or zero) of the groups of piece columns, as fp32 ``[BLOCK_N, D // 4]`` or ``[BLOCK_N, 1]``."""
+def load_piece_scale(ptr, row, mask, D: tl.constexpr, G: tl.constexpr, OTHER: tl.constexpr):
+    """fp16 scale (or zero) of the groups of piece columns, as fp32 ``[BLOCK_N, D // 4]`` or ``[BLOCK_N, 1]``;
+    ``OTHER`` outside ``mask``."""
     NG: tl.constexpr = D // G
     if NG == 1:
-        s = tl.load(ptr + row, mask=mask, other=0.0).to(tl.float32)[:, None]
+        s = tl.load(ptr + row, mask=mask, other=OTHER).to(tl.float32)[:, None]
     else:
         grp = tl.arange(0, D // 4) // (G // 4)
-        s = tl.load(ptr + row[:, None] * NG + grp[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+        s = tl.load(ptr + row[:, None] * NG + grp[None, :], mask=mask[:, None], other=OTHER).to(tl.float32)
     return s
 
 
@@ -72,7 +73,7 @@ def code_word_ptr(codes_ptr, BITS: tl.constexpr):
 
 @triton.jit
 def fetch_rows(codes_ptr, scale_ptr, zero_ptr, row, cold, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-               SYM: tl.constexpr, ALL_CODES: tl.constexpr):
+               SYM: tl.constexpr, ALL_CODES: tl.constexpr, NONE: tl.constexpr):
     """The stored (cold) part of rows ``row`` as loaded: code words ``[BLOCK_N, D // 4]`` (int32, four codes
     each) and fp32 scale and zero per piece column (``[BLOCK_N, D // 4]``, or ``[BLOCK_N, 1]`` for one group per
     row).  ``SYM``: symmetric rows, no stored zero (``zero_ptr`` unused): ``zero = -(L / 2) * scale``, exact in
@@ -80,7 +81,9 @@ def fetch_rows(codes_ptr, scale_ptr, zero_ptr, row, cold, D: tl.constexpr, G: tl
     stored (every ``row`` must exist: the decode's tokens past the end are slot 0's), which is what the decode
     needs, since a row of scale and zero 0 is 0 whatever its codes and the folded loop gives such rows no weight:
     the mask then only on the scales, in the layout they are loaded in (sm_90, the folded loop: 3-5% fewer
-    instructions per block without the codes' mask moved to the codes' layout)."""
+    instructions per block without the codes' mask moved to the codes' layout).  ``NONE``: the scale read outside
+    ``cold`` (0, or the folded loop's -1 for its values, which marks a row it gives no weight: a stored scale is
+    never negative, so no mask need move to the logits' layout)."""
     MASK: tl.constexpr = (1 << BITS) - 1
     i = tl.arange(0, D // 4)
     if ALL_CODES:
@@ -92,11 +95,11 @@ def fetch_rows(codes_ptr, scale_ptr, zero_ptr, row, cold, D: tl.constexpr, G: tl
         word = word.to(tl.int32, bitcast=True)  # the top code's bits land in the sign bit: shift, then mask
     else:
         word = word.to(tl.int32)
-    scale = load_piece_scale(scale_ptr, row, cold, D, G)
+    scale = load_piece_scale(scale_ptr, row, cold, D, G, NONE)
     if SYM:
         zero = scale * (-0.5 * MASK)
     else:
-        zero = load_piece_scale(zero_ptr, row, cold, D, G)
+        zero = load_piece_scale(zero_ptr, row, cold, D, G, 0.0)
     return word, scale, zero
 
 
@@ -288,6 +291,9 @@ _INT2_BIAS0, _INT2_BIAS1, _INT2_BIAS2, _INT2_BIAS3 = (tl.constexpr(code_bias(p, 
 _INT2_MAGIC0, _INT2_MAGIC1, _INT2_MAGIC2, _INT2_MAGIC3 = (tl.constexpr(code_magic(p, 2)) for p in range(4))
 _WIDE_BIAS = tl.constexpr(code_bias(0, 8))
 _WIDE_MAGIC = tl.constexpr(code_magic(0, 8))
+# the folded decode's values' scale of a row it gives no weight (hot, or outside the request): a stored scale is
+# never negative (oscar_sglang.format), so the mark travels with the scale and no mask moves to the logits' layout
+NO_WEIGHT = tl.constexpr(-1.0)
 
 
 @triton.jit
@@ -415,13 +421,18 @@ def slot_entries(slot, tmask, hot_index):
 @triton.jit
 def fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                 D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr,
-                K_SYM: tl.constexpr, V_SYM: tl.constexpr):
+                K_SYM: tl.constexpr, V_SYM: tl.constexpr, FOLD: tl.constexpr):
     """The stored parts of a block's keys and values (:func:`fetch_rows`, every row's codes, the scales and
-    zeros of its cold rows only), for a decode loop that loads the next block while it computes this one."""
+    zeros of its cold rows only), for a decode loop that loads the next block while it computes this one.
+    ``FOLD``: the values' scale of a row not cold is -1 (:data:`NO_WEIGHT`), the folded loop's mark of a row it
+    gives no weight, else 0."""
     cold = tmask & (entry < 0)
     row = slot * KV + kvh
-    kw, ks, kz = fetch_rows(k_codes, k_scale, k_zero, row, cold, D, K_G, K_BITS, K_SYM, True)
-    vw, vs, vz = fetch_rows(v_codes, v_scale, v_zero, row, cold, D, V_G, V_BITS, V_SYM, True)
+    kw, ks, kz = fetch_rows(k_codes, k_scale, k_zero, row, cold, D, K_G, K_BITS, K_SYM, True, 0.0)
+    if FOLD:
+        vw, vs, vz = fetch_rows(v_codes, v_scale, v_zero, row, cold, D, V_G, V_BITS, V_SYM, True, NO_WEIGHT)
+    else:
+        vw, vs, vz = fetch_rows(v_codes, v_scale, v_zero, row, cold, D, V_G, V_BITS, V_SYM, True, 0.0)
     return kw, ks, kz, vw, vs, vz
 
 
@@ -461,7 +472,7 @@ def fetch_part(t0, end, tok_row_ptr, hot_index, kvh, KV, k_codes, k_scale, k_zer
     slot = block_slots(t, tm, tok_row_ptr)
     ent = slot_entries(slot, tm, hot_index)
     kw, ks, kz, vw, vs, vz = fetch_block(slot, ent, tm, kvh, KV, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
-                                         D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
+                                         D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM, False)
     return tm, ent, kw, ks, kz, vw, vs, vz
 
 
@@ -488,10 +499,11 @@ def attend_hot_block(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, q0,
 
 
 @triton.jit
-def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, cold, qt0, qt1, qt2, qt3, qsum, kbias, m, lt, zt,
+def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, qt0, qt1, qt2, qt3, qsum, kbias, m, lt, zt,
                              wt, o0, o1, o2, o3, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_SYM: tl.constexpr,
                              V_SYM: tl.constexpr, PACKED: tl.constexpr):
-    """:func:`attend_fetched_block` over a block's rows ``cold`` (in the request, without a hot copy), of rows of
+    """:func:`attend_fetched_block` over a block's cold rows (in the request, without a hot copy: those whose
+    values' scale ``vs`` is not :data:`NO_WEIGHT`, :func:`fetch_block` with ``FOLD``), of rows of
     one scale and zero each (the decode's ``fold``), transposed (:func:`attend_affine_t`, the queries scaled for
     the softmax): the dots read the codes themselves, biased
     (:func:`code_values`: ``B_p + c`` in fp16, exact; INT2's PTX one instruction per two codes), each row's
@@ -504,7 +516,7 @@ def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, cold, qt0, qt1, qt2, qt3, q
     k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
     v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
     m, alpha, p, ps, o0, o1, o2, o3 = attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs,
-                                                      qt0, qt1, qt2, qt3, qsum, kbias, cold[:, None], m,
+                                                      qt0, qt1, qt2, qt3, qsum, kbias, vs != NO_WEIGHT, m,
                                                       o0, o1, o2, o3, not K_SYM)
     lt = lt * alpha + p
     wt = wt * alpha + ps.to(tl.float32)
@@ -556,6 +568,6 @@ def attend_stored_block(t, tmask, tok_row_ptr, hot_index, kvh, KV,
     slot = block_slots(t, tmask, tok_row_ptr)
     entry = slot_entries(slot, tmask, hot_index)
     kw, ks, kz, vw, vs, vz = fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, v_scale,
-                                         v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
+                                         v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM, False)
     return attend_fetched_block(entry, tmask, kvh, KV, kw, ks, kz, vw, vs, vz, k_hot, v_hot,
                                 q0, q1, q2, q3, qk_scale, m, l, a0, a1, a2, a3, D, K_BITS, V_BITS, PREC, HOT_SKIP)

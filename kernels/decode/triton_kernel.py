@@ -115,7 +115,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
         e1 = slot_entries(s1, start + BLOCK_N + n < end, hot_index)
         s2 = block_slots(start + 2 * BLOCK_N + n, start + 2 * BLOCK_N + n < end, tok_row)
         kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, start + n < end, kvh, KV, k_codes, k_scale, k_zero,
-                                             v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM)
+                                             v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G, K_SYM, V_SYM, FOLD)
     for n0 in range(start, end, BLOCK_N):
         t = n0 + n
         tmask = t < end
@@ -124,7 +124,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
             e0 = slot_entries(s0, tmask, hot_index)
             kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
                                                  v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
-                                                 K_SYM, V_SYM)
+                                                 K_SYM, V_SYM, FOLD)
         else:
             t_lead = n0 + LEAD * BLOCK_N + n
             s_lead = block_slots(t_lead, t_lead < end, tok_row)
@@ -133,12 +133,12 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                 e2 = slot_entries(s2, t1 + BLOCK_N < end, hot_index)
                 nkw, nks, nkz, nvw, nvs, nvz = fetch_block(s1, e1, t1 < end, kvh, KV, k_codes, k_scale, k_zero,
                                                            v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
-                                                           K_SYM, V_SYM)
+                                                           K_SYM, V_SYM, FOLD)
             else:  # block j+1's entries, block j's rows
                 e1 = slot_entries(s1, t + BLOCK_N < end, hot_index)
                 kw, ks, kz, vw, vs, vz = fetch_block(s0, e0, tmask, kvh, KV, k_codes, k_scale, k_zero,
                                                      v_codes, v_scale, v_zero, D, K_BITS, K_G, V_BITS, V_G,
-                                                     K_SYM, V_SYM)
+                                                     K_SYM, V_SYM, FOLD)
         if FOLD:  # every block's cold rows, without a branch (no reduction across warps, nothing kept in the loop
             # but the sums); each hot row's block start noted in its lane (the first and last hot blocks, for the loop
             # after this one: its hot rows only)
@@ -146,7 +146,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
             hot_lo_rows = tl.minimum(hot_lo_rows, tl.where(hot, n0, end))
             hot_hi_rows = tl.maximum(hot_hi_rows, tl.where(hot, n0, start - BLOCK_N))
             m, lt, zt, wt, a0, a1, a2, a3 = attend_cold_block_folded(
-                kw, ks, kz, vw, vs, vz, tmask & (e0 < 0), q0, q1, q2, q3, qsum, kbias, m, lt, zt, wt,
+                kw, ks, kz, vw, vs, vz, q0, q1, q2, q3, qsum, kbias, m, lt, zt, wt,
                 a0, a1, a2, a3, K_BITS, V_BITS, K_SYM, V_SYM, PACKED)
         elif HOT_LOOP:  # a block with a hot row: its first and last start noted, attended in the loop after this one
             if tl.max((tmask & (e0 >= 0)).to(tl.int32), 0) > 0:

@@ -40,7 +40,7 @@ def _read_kernel(slots_ptr, n, out, codes, scale, zero, hot_rows, hot_index, KV,
     slot = tl.load(slots_ptr + t, mask=tmask, other=0).to(tl.int64)
     entry = slot_entries(slot, tmask, hot_index)
     hot = tmask & (entry >= 0)
-    word, s, z = fetch_rows(codes, scale, zero, slot * KV + kvh, tmask & ~hot, D, G, BITS, SYM, False)
+    word, s, z = fetch_rows(codes, scale, zero, slot * KV + kvh, tmask & ~hot, D, G, BITS, SYM, False, 0.0)
     x0, x1, x2, x3 = dequant_rows(word, s, z, hot_rows, entry * KV + kvh, hot, D, BITS, True)
     store_pieces(out + (t.to(tl.int64) * KV + kvh) * D, tmask, x0, x1, x2, x3, D)  # cast to out's dtype, RNE
 
