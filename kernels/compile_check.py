@@ -32,7 +32,8 @@ EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block
 # the loop it sizes)
 DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"hot_loop": True}, {"dots": "bf16"},
                    {"fold": True},
-                   {"fold": True, "num_warps": 2}, {"fold": True, "num_warps": 2, "max_registers": 128})
+                   {"fold": True, "num_warps": 2}, {"fold": True, "num_warps": 2, "max_registers": 128},
+                   {"fold": True, "num_warps": 2, "unpack_first": True})
 
 
 class _Recorder:
@@ -152,7 +153,8 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                                                  rotate_q_in_kernel=in_kernel))
             if kf.bits == 2 and same and g == d:  # the decode loop's variants (decode_variants.py) at d 128;
                 fold2 = {"fold": True, "num_warps": 2}  # at d 64 (SmolLM2) the 2-warp folded loop
-                variants = (*DECODE_VARIANTS, {**fold2, "rotate_q_in_kernel": True}) if d == 128 else (fold2,)
+                variants = ((*DECODE_VARIANTS, {**fold2, "rotate_q_in_kernel": True}) if d == 128 else
+                            (fold2, {**fold2, "unpack_first": True}))
                 for opts in variants:
                     in_kernel = opts.get("rotate_q_in_kernel", False)  # bf16 queries, as a server passes them
                     add(f"decode variant {tag} " + " ".join(f"{k}={v}" for k, v in opts.items()), dec,
@@ -315,7 +317,9 @@ def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
     forward branches of more than ``skipped_min`` instructions jump over (in the decode kernel with
     ``hot_skip``: the code of a block with a hot row; never a region that holds all the loop's tensor-core
     dots, which is the loop's work), that is what one iteration over a block without hot rows issues per warp;
-    ``ops``: that path's opcodes (first word), most frequent first.
+    ``ops``: that path's opcodes (first word), most frequent first; ``shared_wavefronts``: that path's
+    shared-memory traffic in 128-byte wavefronts (:func:`shared_wavefronts`), for the balance of a block's
+    issue, shared memory and HBM cycles (docs/KERNELS.md).
     """
     import collections
     import re
@@ -338,7 +342,7 @@ def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
     outer = [a for a in loops if not any(b != a and b[0] <= a[0] and a[1] <= b[1] for b in loops)]
     loop = min(outer) if outer else None
     if loop is None:
-        return {"loop": 0, "common_path": 0, "ops": {}}
+        return {"loop": 0, "common_path": 0, "ops": {}, "shared_wavefronts": 0}
     body = [(a, op) for a, op, _ in sass if loop[0] <= a <= loop[1]]
     skips = [(lo, hi) for lo, hi in skips if loop[0] <= lo and hi <= loop[1]]
 
@@ -350,7 +354,21 @@ def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
         skips = [(lo, hi) for lo, hi in skips if mma(op for a, op in body if not lo <= a < hi)]
     path = [op for a, op in body if not any(lo <= a < hi for lo, hi in skips)]
     ops = collections.Counter(op.split(".")[0] for op in path)
-    return {"loop": len(body), "common_path": len(path), "ops": dict(ops.most_common())}
+    return {"loop": len(body), "common_path": len(path), "ops": dict(ops.most_common()),
+            "shared_wavefronts": sum(shared_wavefronts(op) for op in path)}
+
+
+def shared_wavefronts(op: str) -> int:
+    """Shared-memory wavefronts of one warp's SASS instruction ``op`` (full opcode), assuming no bank conflicts: a
+    wavefront moves 128 bytes (32 banks of 4 bytes: sm_80/sm_90 serve one per cycle and multiprocessor), so a
+    32-bit access per thread is 1, 64-bit 2, 128-bit 4, ``ldmatrix``/``stmatrix`` one per 8x8 matrix (``.4``:
+    4); 0 for anything else."""
+    parts = op.split(".")
+    if parts[0] in ("LDSM", "STSM"):
+        return int(parts[-1]) if parts[-1] in ("2", "4") else 1
+    if parts[0] not in ("LDS", "STS"):
+        return 0
+    return {"64": 2, "128": 4}.get(parts[-1], 1)
 
 
 def print_loop_counts(pattern: str, arch: int = 90) -> list[dict]:
@@ -368,6 +386,7 @@ def print_loop_counts(pattern: str, arch: int = 90) -> list[dict]:
                "shared": kernel.metadata.shared, **loop_counts(kernel.asm["cubin"])}
         rows.append(row)
         print(f"{label} ({fn.__name__}): loop {row['loop']} instructions, common path {row['common_path']}, "
+              f"shared-memory wavefronts {row['shared_wavefronts']}, "
               f"reg {row.get('reg')} stack {row.get('stack')} shared {row['shared']}\n    "
               + ", ".join(f"{k} {v}" for k, v in list(row["ops"].items())[:16]), flush=True)
     return rows

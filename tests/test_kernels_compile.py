@@ -77,6 +77,24 @@ def test_loop_counts_read_the_decode_loops_sass():
     assert fold["ops"].get("I2FP", 0) + fold["ops"].get("I2F", 0) == 0
     assert fold["ops"].get("LOP3", 0) >= 64 and fold["ops"].get("HFMA2", 0) < 32
     assert fold["common_path"] < default["common_path"]
+    # the values' codes unpacked before they cross to their dots' transposed layout (fp16 through shared memory by
+    # ldmatrix.trans) instead of as bytes after (a PRMT shuffle per byte pair): far fewer PRMT, fewer instructions
+    fold2 = rows["decode variant d=128 int2 gqa=4 fold=True num_warps=2"]
+    first = rows["decode variant d=128 int2 gqa=4 fold=True num_warps=2 unpack_first=True"]
+    assert first["ops"].get("PRMT", 0) < fold2["ops"].get("PRMT", 0) / 2, (first["ops"], fold2["ops"])
+    assert first["common_path"] < fold2["common_path"] and first["shared"] > 2 * fold2["shared"]
+    # ... for more shared-memory traffic: the fp16 values are 8 times the code bytes
+    assert first["shared_wavefronts"] > 2 * fold2["shared_wavefronts"] > 0
+
+
+def test_shared_wavefronts_of_a_warps_shared_memory_instructions():
+    """128-byte wavefronts (no bank conflicts): what a warp moves per instruction, at least one."""
+    from oscar_sglang.kernels.compile_check import shared_wavefronts
+
+    cases = {"LDS": 1, "LDS.U16": 1, "STS.U8": 1, "LDS.64": 2, "STS.64": 2, "STS.128": 4, "LDS.U.128": 4,
+             "LDSM.16.M88.4": 4, "LDSM.16.MT88.4": 4, "LDSM.16.M88.2": 2, "LDSM.16.M88": 1, "STSM.16.M88.4": 4,
+             "LDG.E.128": 0, "HMMA.16816.F32": 0, "BAR.SYNC.DEFER_BLOCKING": 0, "LDL.64": 0}
+    assert {op: shared_wavefronts(op) for op in cases} == cases
 
 
 def test_no_jit_function_leaves_a_string_constexpr_to_its_default():

@@ -167,7 +167,8 @@ def test_decode_with_bf16_dots_is_within_bf16_rounding_of_the_reference():
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(prefetch):
     """``fold=True``: blocks without a hot row attended over the codes (fp16, exact) with each row's scale and
-    zero folded into the logits and weights; blocks with one dequantized as before, 16 rows at a time.  Formats
+    zero folded into the logits and weights; blocks with one dequantized as before, 16 rows at a time (also with
+    ``unpack_first``, the values' codes unpacked before they are transposed).  Formats
     of one group per row (INT2, INT4 and INT8 keys, symmetric keys, symmetric values: their codes biased, the
     bias taken off after the dots), hot windows or none, GQA 1 to 8."""
     lens = [0, 1, 17, 50, 70, 33]
@@ -190,6 +191,10 @@ def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(pref
         assert err < 2**-9 * ref.abs().max().item(), (i, err)
         if DEVICE == "cpu":  # the interpreter's fp32 dots are exact to 1e-6: the folded blocks did run
             assert err > 20 * (api.decode_attention(*args, **kw) - ref).abs().max().item(), i
+        # the values unpacked before they are transposed: the same numbers (on a GPU another path through shared
+        # memory to the same dot operands; the interpreter runs the same code)
+        out_u = api.decode_attention(*args, fold=True, unpack_first=True, **kw)
+        assert (out_u - out).abs().max().item() <= 2**-14 * ref.abs().max().item(), i
         if i == prefetch:  # the queries rotated inside the kernel (small grids), bf16 as a server passes them
             qb = q.bfloat16()
             out_in = api.decode_attention(qb, *args[1:], fold=True, rotate_q_in_kernel=True, **kw)

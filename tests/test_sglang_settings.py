@@ -86,18 +86,21 @@ def test_decode_kernel_knob():
     # the split count for one whole wave of this many resident programs (decode_variants' "Grids" table)
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "resident=6"}) == {"resident": 6}
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "hot_loop=1"}) == {"hot_loop": True}
+    assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "fold=1,num_warps=2,unpack_first=1"}) == \
+        {"fold": True, "num_warps": 2, "unpack_first": True}
     # unset or "auto": the loop timed at a CUDA server's startup (kernels/decode/autotune.py); "default": not
     for value, options, timed in ((None, {}, True), ("auto", {}, True), (" auto ", {}, True), ("default", {}, False),
                                   ("fold=1", {"fold": True}, False)):
         env = {} if value is None else {st.ENV_DECODE_KERNEL: value}
         assert (st.decode_kernel_options(env), st.decode_kernel_autotuned(env)) == (options, timed)
-    keys = "block_n, num_warps, num_stages, max_registers, resident, dots, prefetch, hot_skip, fold, hot_loop; " \
+    keys = "block_n, num_warps, num_stages, max_registers, resident, dots, prefetch, hot_skip, fold, hot_loop, " \
+        "unpack_first; " \
         "or auto, or default$"
     for bad, match in (("block_rows=64", "KEY=VALUE, each key once, of " + keys), ("sdpa", "of " + keys),
                        ("auto,fold=1", "of " + keys),
                        ("block_n=8", "power of two >= 16"), ("dots=fp16", "dots='fp16', expected one of tf32, bf16"),
                        ("prefetch=3", "expected one of 0, 1, 2"), ("hot_skip=yes", "expected one of 0, 1"),
-                       ("fold=true", "expected one of 0, 1"),
+                       ("fold=true", "expected one of 0, 1"), ("unpack_first=2", "expected one of 0, 1"),
                        ("block_n=48", "power of two >= 16"), ("num_warps=3", "power of two"),
                        ("max_registers=8", "within 16..255"), ("max_registers=256", "within 16..255"),
                        ("max_registers=-1", "within 16..255"), ("resident=0", "within 1..64"),
@@ -126,8 +129,8 @@ def test_kernel_knob_keys_are_the_kernels_own():
     assert params["resident"].default is None  # unset: the fixed 8 warps per multiprocessor
     assert all(key in params for key in st._INT_RANGES)
     assert st.DECODE_CHOICES["dots"] == decode_kernel.DOT_CHOICES
-    assert {key: type(params[key].default) for key in ("prefetch", "hot_skip", "fold", "hot_loop")} == \
-        {"prefetch": int, "hot_skip": bool, "fold": bool, "hot_loop": bool}
+    assert {key: type(params[key].default) for key in ("prefetch", "hot_skip", "fold", "hot_loop", "unpack_first")} == \
+        {"prefetch": int, "hot_skip": bool, "fold": bool, "hot_loop": bool, "unpack_first": bool}
     assert set(st.DECODE_CHOICES) - {"dots"} <= set(params)
 
 

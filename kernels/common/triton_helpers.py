@@ -306,19 +306,22 @@ def code_biases(BITS: tl.constexpr):
 
 
 @triton.jit
-def code_values(word, BITS: tl.constexpr, PACKED: tl.constexpr):
+def code_values(word, BITS: tl.constexpr, PACKED: tl.constexpr, PURE: tl.constexpr):
     """The codes ``c`` of the four pieces of ``word`` (int32, four codes each) as fp16 values ``B_p + c``, exactly
     (:func:`code_bias`; ``c < 2^BITS <= 256``): each code put in the mantissa of an fp16 power of two by integer
     ops, no int-to-float conversion, the power left for the caller to take off after its dots (INT2: the code
     left in its bits, one operation per code).  ``PACKED`` (INT2 on a GPU): the same in inline PTX
     (:func:`int2_piece_ptx`) two codes per instruction, fp16 pairs as the dots read them; else one code per
-    operation (the interpreter cannot run PTX; this is the PTX's reference)."""
+    operation (the interpreter cannot run PTX; this is the PTX's reference).  ``PURE``: the PTX declared free of
+    side effects (as it is); ``False`` keeps Triton from moving a layout conversion of the values above it: the
+    compiler then converts the unpacked fp16 values, not the code bytes (:func:`attend_cold_block_folded`'s
+    ``UNPACK_FIRST``)."""
     if PACKED and BITS == 2:
         w8 = word.to(tl.uint8)
-        x0 = tl.inline_asm_elementwise(_INT2_PIECE0_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
-        x1 = tl.inline_asm_elementwise(_INT2_PIECE1_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
-        x2 = tl.inline_asm_elementwise(_INT2_PIECE2_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
-        x3 = tl.inline_asm_elementwise(_INT2_PIECE3_PTX, "=r,=r,r", [w8], tl.float16, True, 4)
+        x0 = tl.inline_asm_elementwise(_INT2_PIECE0_PTX, "=r,=r,r", [w8], tl.float16, PURE, 4)
+        x1 = tl.inline_asm_elementwise(_INT2_PIECE1_PTX, "=r,=r,r", [w8], tl.float16, PURE, 4)
+        x2 = tl.inline_asm_elementwise(_INT2_PIECE2_PTX, "=r,=r,r", [w8], tl.float16, PURE, 4)
+        x3 = tl.inline_asm_elementwise(_INT2_PIECE3_PTX, "=r,=r,r", [w8], tl.float16, PURE, 4)
     elif BITS == 2:  # the PTX's values: bits 2p kept under fp16 2^(10 - 2p)
         x0 = ((word & 0x03) | _INT2_MAGIC0).to(tl.int16).to(tl.float16, bitcast=True)
         x1 = ((word & 0x0C) | _INT2_MAGIC1).to(tl.int16).to(tl.float16, bitcast=True)
@@ -501,7 +504,7 @@ def attend_hot_block(n0, end, tok_row_ptr, hot_index, kvh, KV, k_hot, v_hot, q0,
 @triton.jit
 def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, qt0, qt1, qt2, qt3, qsum, kbias, m, lt, zt,
                              wt, o0, o1, o2, o3, K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_SYM: tl.constexpr,
-                             V_SYM: tl.constexpr, PACKED: tl.constexpr):
+                             V_SYM: tl.constexpr, PACKED: tl.constexpr, UNPACK_FIRST: tl.constexpr):
     """:func:`attend_fetched_block` over a block's cold rows (in the request, without a hot copy: those whose
     values' scale ``vs`` is not :data:`NO_WEIGHT`, :func:`fetch_block` with ``FOLD``), of rows of
     one scale and zero each (the decode's ``fold``), transposed (:func:`attend_affine_t`, the queries scaled for
@@ -512,9 +515,15 @@ def attend_cold_block_folded(kw, ks, kz, vw, vs, vz, qt0, qt1, qt2, qt3, qsum, k
     sum, the values' weights (``ps``, for their biases) and, unless symmetric, their zeros' term are kept per
     row, ``lt``, ``wt`` and ``zt`` ``[BLOCK_N, H]`` (rescaled as the outputs), and summed once at the end
     (:func:`folded_sums`), so that a block reduces across warps for its maximum only.  Every block comes here,
-    without a branch: the hot rows are :func:`attend_hot_block_folded`'s, in a loop of their own."""
-    k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED)
-    v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED)
+    without a branch: the hot rows are :func:`attend_hot_block_folded`'s, in a loop of their own.
+
+    The values' dots read their codes transposed (``[D // 4, BLOCK_N]``, two tokens per fp16 pair), which on a GPU
+    means a trip through shared memory.  By default Triton makes it with the code bytes, before they are
+    unpacked (byte shuffles, sm_90: ~50 ``PRMT`` and 16 shared loads and stores per block and warp);
+    ``UNPACK_FIRST`` (with ``PACKED``) makes it with the unpacked fp16 values (``ldmatrix.trans``: 8 times the
+    bytes through shared memory, far fewer instructions), by declaring the values' PTX impure (:func:`code_values`)."""
+    k0, k1, k2, k3 = code_values(kw, K_BITS, PACKED, True)
+    v0, v1, v2, v3 = code_values(vw, V_BITS, PACKED, not UNPACK_FIRST)
     m, alpha, p, ps, o0, o1, o2, o3 = attend_affine_t(k0, k1, k2, k3, ks, kz, v0, v1, v2, v3, vs,
                                                       qt0, qt1, qt2, qt3, qsum, kbias, vs != NO_WEIGHT, m,
                                                       o0, o1, o2, o3, not K_SYM)

@@ -39,7 +39,7 @@ from . import triton_kernel
 
 # (label, decode_attention options); the first is the default, the reference of the others; the rest in the
 # order of their promise (instructions per token and warps per multiprocessor counted for sm_90, docs/KERNELS.md),
-# so that a spent budget leaves out the least promising: the 2-warp fold (24 per token, 12 warps), the same over
+# so that a spent budget leaves out the least promising: the 2-warp fold (19-20 per token, 12 warps), the same over
 # one whole wave (no new compile), the 4-warp fold (41-48, 12-16 warps), the default loop with its hot blocks in a
 # loop of their own (fewer registers with some compilers, more with others), the 2-warp fold held to 128 registers
 # over one whole wave (16 warps per multiprocessor; with triton 3.6 some spills in its loop)

@@ -53,7 +53,8 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                          D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                          V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
                          ROTATE_Q: tl.constexpr, HOT_SKIP: tl.constexpr, PREFETCH: tl.constexpr,
-                         FOLD: tl.constexpr, PACKED: tl.constexpr, HOT_LOOP: tl.constexpr):
+                         FOLD: tl.constexpr, PACKED: tl.constexpr, HOT_LOOP: tl.constexpr,
+                         UNPACK_FIRST: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -147,7 +148,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
             hot_hi_rows = tl.maximum(hot_hi_rows, tl.where(hot, n0, start - BLOCK_N))
             m, lt, zt, wt, a0, a1, a2, a3 = attend_cold_block_folded(
                 kw, ks, kz, vw, vs, vz, q0, q1, q2, q3, qsum, kbias, m, lt, zt, wt,
-                a0, a1, a2, a3, K_BITS, V_BITS, K_SYM, V_SYM, PACKED)
+                a0, a1, a2, a3, K_BITS, V_BITS, K_SYM, V_SYM, PACKED, UNPACK_FIRST)
         elif HOT_LOOP:  # a block with a hot row: its first and last start noted, attended in the loop after this one
             if tl.max((tmask & (e0 >= 0)).to(tl.int32), 0) > 0:
                 hot_lo = tl.minimum(hot_lo, n0)
@@ -287,7 +288,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                      rotate_q_in_kernel: bool | None = None, hot_skip: bool = True,
                      prefetch: int = 1, dots: str = DOT_PRECISION, fold: bool = False, hot_loop: bool = False,
                      max_registers: int | None = None, resident: int | None = None, whole_waves: bool = False,
-                     report: dict | None = None) -> torch.Tensor:
+                     unpack_first: bool = False, report: dict | None = None) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
 
     ``rotate_q_in_kernel`` (default: automatic): rotate the queries inside the split kernel (two launches
@@ -322,6 +323,14 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     ``num_warps=2`` under either (18 over symmetric rows), at 161-167 registers (12 warps per
     multiprocessor; the default's 220-255: 8).  The codes stay biased (``B_p + c``, one PTX instruction per
     two codes), the biases taken off the logits and the outputs (``folded_bias``, ``folded_sums``).
+
+    ``unpack_first`` (with ``fold``; else ignored): the values' codes unpacked to fp16 before they cross to the
+    transposed layout their dots read, through shared memory by ``ldmatrix.trans``, rather than as bytes after
+    (byte shuffles; ``common/triton_helpers.attend_cold_block_folded``).  The same numbers; sm_90, d 128, 2 warps,
+    per 64-token block and warp: 612 -> 552 instructions with triton 3.6, 630 -> 545 with 3.8, but 200 shared-memory
+    wavefronts instead of 88 (kernels/compile_check.py --sass): by these counts bound by shared memory, ~400 cycles
+    a block where the fold issues for ~315 (docs/KERNELS.md).  A variant for the GPU to time
+    (scripts/device/decode_variants.py), not a candidate of the server's startup timing.
 
     ``hot_loop`` (with ``hot_skip``; the folded loop always does): blocks with a hot row (the sink's, the recent
     window's) are noted in the loop over the blocks and attended in a loop of their own after it, 16 rows at a
@@ -376,6 +385,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                   K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
                   K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
                   PREFETCH=prefetch, FOLD=fold, HOT_LOOP=bool((hot_loop or fold) and hot_skip),
+                  UNPACK_FIRST=bool(fold and unpack_first),
                   PACKED=not interpreted(_decode_split_kernel) and torch.version.hip is None,  # inline PTX: NVIDIA only
                   num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": max_registers} if max_registers is not None else {}))

@@ -58,16 +58,17 @@ DECODE_AUTO, DECODE_DEFAULT = "auto", "default"
 DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages", "max_registers", "resident")
 # and the loop's variants (kernels/decode/triton_kernel.decode_attention; pinned there by a test), e.g.
 # "dots=bf16", "prefetch=0,hot_skip=0" (the first H200 run's loop), "hot_loop=1" (blocks with a hot row in a
-# loop of their own) or "fold=1" (folded scales); and
+# loop of their own), "fold=1" (folded scales) or "fold=1,num_warps=2,unpack_first=1" (the folded loop's values
+# unpacked before they are transposed); and
 # "max_registers=128" (the compiler's registers per thread at most, 16..255: more warps resident per
 # multiprocessor, some spills; kernels/occupancy.py) and "resident=4" (the split count for one whole wave of
 # that many programs per multiprocessor, 1..64, as decode_variants' "Grids" table reports the compiled kernel's,
 # the CUDA graphs' split count included)
 DECODE_CHOICES = {"dots": ("tf32", "bf16"), "prefetch": ("0", "1", "2"), "hot_skip": ("0", "1"), "fold": ("0", "1"),
-                  "hot_loop": ("0", "1")}
+                  "hot_loop": ("0", "1"), "unpack_first": ("0", "1")}
 _INT_RANGES = {"max_registers": (16, 255), "resident": (1, 64)}  # integer keys that are not tile sizes
 _CHOICE_VALUE = {"prefetch": int, "hot_skip": lambda raw: raw == "1", "fold": lambda raw: raw == "1",
-                 "hot_loop": lambda raw: raw == "1"}
+                 "hot_loop": lambda raw: raw == "1", "unpack_first": lambda raw: raw == "1"}
 
 # Concurrent requests whose sink and recent windows the BF16 hot side pool
 # holds (capped by --max-running-requests when that is smaller).

@@ -88,6 +88,11 @@ VARIANTS = [
     ("default, fold", {"fold": True}),
     ("default, fold, 2 warps", FOLD2),
     ("default, fold, 2 warps, whole waves", {**FOLD2, "whole_waves": True}),
+    # the values' codes unpacked before they cross to their dots' transposed layout (ldmatrix.trans of fp16 through
+    # shared memory, not byte shuffles): sm_90, per 64-token block and warp, 552 instructions with 3.6 and 545 with
+    # 3.8 instead of 612 / 630, but 200 shared-memory wavefronts instead of 88 (docs/KERNELS.md: by the counts
+    # bound by shared memory, ~400 cycles a block against the fold's ~315 of issue); a row, so that the GPU says
+    ("default, fold, 2 warps, values unpacked first", {**FOLD2, "unpack_first": True}),
     # at most 128 registers: 16 warps per multiprocessor instead of 12 (with 3.6, 36 local loads per block)
     ("default, fold, 2 warps, 128 registers, whole waves", {**FOLD2, "max_registers": 128, "whole_waves": True}),
 ]
