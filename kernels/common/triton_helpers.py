@@ -432,10 +432,8 @@ def fetch_block(slot, entry, tmask, kvh, KV, k_codes, k_scale, k_zero, v_codes, 
     cold = tmask & (entry < 0)
     row = slot * KV + kvh
     kw, ks, kz = fetch_rows(k_codes, k_scale, k_zero, row, cold, D, K_G, K_BITS, K_SYM, True, 0.0)
-    if FOLD:
-        vw, vs, vz = fetch_rows(v_codes, v_scale, v_zero, row, cold, D, V_G, V_BITS, V_SYM, True, NO_WEIGHT)
-    else:
-        vw, vs, vz = fetch_rows(v_codes, v_scale, v_zero, row, cold, D, V_G, V_BITS, V_SYM, True, 0.0)
+    vw, vs, vz = fetch_rows(v_codes, v_scale, v_zero, row, cold, D, V_G, V_BITS, V_SYM, True,
+                            NO_WEIGHT if FOLD else 0.0)
     return kw, ks, kz, vw, vs, vz
 
 
