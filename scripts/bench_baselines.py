@@ -126,6 +126,36 @@ def graph_lines(decode: list[dict]) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- device memory
+
+def fit_to_memory(cases: list[tuple[int, int]], bytes_for: Callable[[list[tuple[int, int]]], int],
+                  free_bytes: int, headroom_bytes: int) -> tuple[list[tuple[int, int]], list[tuple[tuple, int]]]:
+    """The ``(batch, context)`` cases whose buffers fit ``free_bytes``, and those left out with what they needed.
+
+    ``bytes_for(kept)`` is what the benchmark allocates for a set of cases (its buffers are sized by the largest
+    ``batch * context``); the cases of the largest token count are left out, then the next, until it plus
+    ``headroom_bytes`` (each case's own buffers) fits.  The order of the kept cases is kept.
+    """
+    kept, left_out = list(cases), []
+    while kept:
+        need = bytes_for(kept)
+        if need + headroom_bytes <= free_bytes:
+            break
+        most = max(b * c for b, c in kept)
+        left_out += [(bc, need) for bc in kept if bc[0] * bc[1] == most]
+        kept = [bc for bc in kept if bc[0] * bc[1] != most]
+    return kept, left_out
+
+
+def free_device_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take: the driver's free memory plus what torch's caching allocator holds
+    unused; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 # --------------------------------------------------------------------------- copy bandwidth
 
 def copy_bandwidth(timed: Callable[[Callable[[], object]], float], device: torch.device, nbytes: int) -> dict:

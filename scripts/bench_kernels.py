@@ -6,7 +6,10 @@
 Decode problem (the same for every row's kernels): one bf16 query token per
 request, 8 KV heads, GQA 4:1 (32 query heads), head_dim 128 (Llama-3-8B) and
 64, batch {1, 8, 32, 128} x context {4k, 16k, 32k, 64k, 128k}; cases whose BF16
-K+V cache exceeds ``--max-gib`` (default 40 GiB) are skipped and listed.  The
+K+V cache exceeds ``--max-gib`` (default 40 GiB), and the largest whose buffers
+(the paged stores, the dense copies: ~2.3x that cache) with ``--memory-headroom-gib``
+do not fit the device's free memory (an H100's 80 GB hold fewer than an H200's
+141), are skipped and listed.  The
 INT2 store keeps 64 sink + 256 recent tokens per request hot (BF16), pages of
 16 slots in random order.
 
@@ -54,6 +57,7 @@ the exit code is 1 when a correctness check failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -75,6 +79,11 @@ def parse_args(argv=None):
     p.add_argument("--max-gib", type=float, default=40.0,
                    help="skip decode cases whose BF16 K+V cache exceeds this (GiB); peak GPU memory is about "
                         "2.3x it (paged + dense copy + INT2 store + INT4 keys)")
+    p.add_argument("--device-gib", type=float, default=None,
+                   help="free GPU memory to plan the decode cases' buffers for (default: what the device reports)")
+    p.add_argument("--memory-headroom-gib", type=float, default=3.0,
+                   help="memory left free beside the decode cases' shared buffers (each case's own buffers, "
+                        "timing, graphs); the largest cases are skipped until it fits")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--gqa", type=int, default=4, help="query heads per KV head")
     p.add_argument("--copy-gib", type=float, default=2.0, help="buffer size of the copy-bandwidth measurement")
@@ -163,24 +172,61 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def random_rows(num_slots: int, d: int, form: fmt.RowFormat) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_rows(num_slots: int, d: int, form: fmt.RowFormat, device=None) -> tuple[torch.Tensor, ...]:
     """Random ``codes, scale, zero`` of one side in ``form`` (timing does not depend on values)."""
-    codes, scale, zero = layout.row_tensors(num_slots, KV_HEADS, d, form, DEVICE)
-    codes.copy_(torch.randint(0, 256, codes.shape, dtype=torch.uint8, device=DEVICE))
-    scale.copy_(torch.rand(scale.shape, device=DEVICE) * 0.3 / fmt.max_code(form.bits))
-    zero.copy_(torch.randn(zero.shape, device=DEVICE) * 0.1 - 0.15)
+    device = device or DEVICE
+    codes, scale, zero = layout.row_tensors(num_slots, KV_HEADS, d, form, device)
+    codes.copy_(torch.randint(0, 256, codes.shape, dtype=torch.uint8, device=device))
+    scale.copy_(torch.rand(scale.shape, device=device) * 0.3 / fmt.max_code(form.bits))
+    zero.copy_(torch.randn(zero.shape, device=device) * 0.1 - 0.15)
     return codes, scale, zero
 
 
-def random_store(num_slots: int, d: int) -> tuple[layout.LayerStore, torch.Tensor, torch.Tensor, tuple]:
+def random_store(num_slots: int, d: int, device=None) -> tuple[layout.LayerStore, torch.Tensor, torch.Tensor, tuple]:
     """An INT2 store with random codes/scales, BF16 baseline buffers, and INT4 keys for the INT4-K variant."""
-    s = layout.empty_store(num_slots, KV_HEADS, d, None, 0, DEVICE)
+    device = device or DEVICE
+    s = layout.empty_store(num_slots, KV_HEADS, d, None, 0, device)
     for codes, scale, zero in ((s.k_codes, s.k_scale, s.k_zero), (s.v_codes, s.v_scale, s.v_zero)):
-        for t, new in zip((codes, scale, zero), random_rows(num_slots, d, fmt.RowFormat(2))):
+        for t, new in zip((codes, scale, zero), random_rows(num_slots, d, fmt.RowFormat(2), device)):
             t.copy_(new)
-    kb = torch.randn(num_slots, KV_HEADS, d, device=DEVICE, dtype=torch.bfloat16)
-    vb = torch.randn(num_slots, KV_HEADS, d, device=DEVICE, dtype=torch.bfloat16)
-    return s, kb, vb, random_rows(num_slots, d, INT4_KEYS)
+    kb = torch.randn(num_slots, KV_HEADS, d, device=device, dtype=torch.bfloat16)
+    vb = torch.randn(num_slots, KV_HEADS, d, device=device, dtype=torch.bfloat16)
+    return s, kb, vb, random_rows(num_slots, d, INT4_KEYS, device)
+
+
+def decode_buffers(fits: list[tuple[int, int]], d: int, device=None) -> tuple:
+    """What :func:`bench_decode` allocates for the cases ``fits`` at head size ``d``, shared by all of them: the
+    paged stores (:func:`random_store`: every case's pages) and the dense BF16 copies SDPA reads (the largest
+    case's).  ``device="meta"``: the same tensors without memory, to count their bytes."""
+    device = device or DEVICE
+    most = max(b * c for b, c in fits)
+    num_slots = (-(-most // PAGE) + max(BATCHES) + 1) * PAGE  # every case's pages (last pages may be partial)
+    dense_elems = max(b * KV_HEADS * c * d for b, c in fits)
+    store, kb, vb, k4 = random_store(num_slots, d, device)
+    flat_k = torch.empty(dense_elems, dtype=torch.bfloat16, device=device)
+    flat_v = torch.empty(dense_elems, dtype=torch.bfloat16, device=device)
+    return store, kb, vb, k4, flat_k, flat_v
+
+
+def buffer_bytes(buffers) -> int:
+    """Bytes of :func:`decode_buffers`' tensors."""
+    store, kb, vb, k4, flat_k, flat_v = buffers
+    tensors = [getattr(store, f.name) for f in dataclasses.fields(store)] + [kb, vb, *k4, flat_k, flat_v]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def cases_in_memory(d: int, fits: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[dict]]:
+    """``fits`` less the largest cases whose buffers (:func:`decode_buffers`) and ``--memory-headroom-gib`` do not
+    fit the device's free memory (``--device-gib`` instead where given; the interpreter keeps every case
+    otherwise), and those as skipped rows."""
+    free = int(ARGS.device_gib * 2**30) if ARGS.device_gib else bl.free_device_bytes(DEVICE)
+    if free is None or not fits:
+        return fits, []
+    kept, left_out = bl.fit_to_memory(fits, lambda cs: buffer_bytes(decode_buffers(cs, d, "meta")), free,
+                                      int(ARGS.memory_headroom_gib * 2**30))
+    return kept, [{"d": d, "batch": b, "context": c,
+                   "reason": f"buffers {need / 2**30:.1f} GiB + headroom {ARGS.memory_headroom_gib:g} GiB > "
+                             f"{free / 2**30:.1f} GiB free"} for (b, c), need in left_out]
 
 
 def with_keys(store: layout.LayerStore, keys: tuple) -> layout.LayerStore:
@@ -273,22 +319,27 @@ def bench_decode(copy_GBps: float, sdpa: bl.Sdpa, fi: bl.FlashInferDecode, probl
     for d in DIMS:
         fits, skip = cases(d)
         skipped += skip
+        fits, skip = cases_in_memory(d, fits)
+        skipped += skip
+        buffers = None
+        while fits and buffers is None:
+            try:
+                buffers = decode_buffers(fits, d)
+            except torch.OutOfMemoryError:  # more than counted was taken: the largest cases out, the rest run
+                most = max(b * c for b, c in fits)
+                msg = f"d={d}: out of memory for the buffers of {most} tokens; those cases left out"
+                print(msg, file=sys.stderr)
+                problems.append(msg)
+                skipped += [{"d": d, "batch": b, "context": c, "reason": "out of memory"}
+                            for b, c in fits if b * c == most]
+                fits = [(b, c) for b, c in fits if b * c != most]
+            if buffers is None and DEVICE.type == "cuda":
+                torch.cuda.empty_cache()
         if not fits:
             continue
+        store, kb, vb, k4, flat_k, flat_v = buffers
+        del buffers
         scale = d**-0.5
-        most = max(b * c for b, c in fits)
-        num_slots = (-(-most // PAGE) + max(BATCHES) + 1) * PAGE  # every case's pages (last pages may be partial)
-        dense_elems = max(b * KV_HEADS * c * d for b, c in fits)
-        try:
-            store, kb, vb, k4 = random_store(num_slots, d)
-            flat_k = torch.empty(dense_elems, dtype=torch.bfloat16, device=DEVICE)
-            flat_v = torch.empty(dense_elems, dtype=torch.bfloat16, device=DEVICE)
-        except torch.OutOfMemoryError:
-            msg = f"d={d}: out of memory for {most} tokens; lower --max-gib"
-            print(msg, file=sys.stderr)
-            problems.append(msg)
-            skipped += [{"d": d, "batch": b, "context": c, "reason": "out of memory"} for b, c in fits]
-            continue
         rot = scenario.random_rotation(KV_HEADS, d, 0, device=DEVICE)
         served = served_loop(d, store, rot, problems)
         done = []  # (row, kept inputs for the FlashInfer pass)

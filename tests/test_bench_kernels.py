@@ -296,3 +296,53 @@ def test_decode_graph_times_and_their_section(monkeypatch):
     assert lines[-1] == ("| 128 | 1 | 32768 | 0.0200 | 0.0250 | 0.0800 | 0.0600 | 3.00 | flashinfer: RuntimeError: "
                          "operation not permitted when stream is capturing |")
     assert bl.graph_lines([{"d": 64, "batch": 8}]) == []
+
+
+def test_fit_to_memory_leaves_out_the_largest_cases_first():
+    cases = [(1, 4), (8, 4), (1, 32), (8, 32), (32, 1)]  # token counts 4, 32, 32, 256, 32
+
+    def bytes_for(kept):  # buffers sized by the largest case, as the benchmark's
+        return 10 * max(b * c for b, c in kept)
+
+    kept, out = bl.fit_to_memory(cases, bytes_for, free_bytes=10_000, headroom_bytes=0)
+    assert kept == cases and out == []
+    kept, out = bl.fit_to_memory(cases, bytes_for, free_bytes=2_000, headroom_bytes=0)
+    assert kept == [(1, 4), (8, 4), (1, 32), (32, 1)] and out == [((8, 32), 2560)]
+    # the headroom counts: 320 + 1700 > 2000, so every case of 32 tokens goes too, in one step
+    kept, out = bl.fit_to_memory(cases, bytes_for, free_bytes=2_000, headroom_bytes=1_700)
+    assert kept == [(1, 4)] and out == [((8, 32), 2560), ((8, 4), 320), ((1, 32), 320), ((32, 1), 320)]
+    assert bl.fit_to_memory(cases, bytes_for, free_bytes=10, headroom_bytes=0)[0] == []
+    assert bl.free_device_bytes(torch.device("cpu")) is None
+
+
+def test_decode_buffers_are_counted_before_they_are_taken():
+    """bench_kernels counts its shared decode buffers on the meta device (to leave out cases that would not fit
+    an H100's memory): the count equals what it allocates, and an independent per-slot formula."""
+    code = textwrap.dedent("""
+        import json, sys
+        sys.argv = ["bench_kernels.py", "--cpu-smoke"]
+        from script_modules import load_script
+        import torch
+        bk = load_script("bench_kernels.py")
+        fits = [(1, 96), (2, 96), (1, 320), (2, 320)]
+        out = {}
+        for d in (64, 128):
+            meta = bk.buffer_bytes(bk.decode_buffers(fits, d, "meta"))
+            real = bk.buffer_bytes(bk.decode_buffers(fits, d, torch.device("cpu")))
+            out[d] = [meta, real, bk.KV_HEADS, bk.PAGE, max(bk.BATCHES)]
+            bk.ARGS.device_gib, bk.ARGS.memory_headroom_gib = (meta - 1) / 2**30, 0.0
+            kept, skipped = bk.cases_in_memory(d, fits)
+            out[d] += [kept, [(s["batch"], s["context"]) for s in skipped], skipped[0]["reason"]]
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for d, (meta, real, kv, page, max_batch, kept, skipped, reason) in ((int(k), v) for k, v in res.items()):
+        slots = (-(-640 // page) + max_batch + 1) * page       # every case's pages, as the benchmark pages them
+        per_slot = 4 + kv * (2 * (d // 4 + 4) + (d // 2 + 4) + 2 * 2 * d)  # hot index, INT2 K+V, INT4 keys, BF16
+        assert meta == real == slots * per_slot + 2 * 2 * 640 * kv * d  # + the largest case's dense K, V
+        assert kept == [[1, 96], [2, 96], [1, 320]] and skipped == [[2, 320]]   # one byte short: the largest out
+        assert reason.startswith("buffers ") and reason.endswith(" GiB free")
