@@ -410,6 +410,22 @@ def folded_sums(lt, zt, wt, o0, o1, o2, o3, V_BITS: tl.constexpr, V_SYM: tl.cons
 
 
 @triton.jit
+def program_split(seq_lens, req_pool_indices, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """A split-K decode program's request ``b``, KV head ``kvh``, split ``sp`` (grid ``(batch, kv_heads,
+    splits)``), the request's pool row ``req`` (int64) and its tokens ``[start, end)``: the request's
+    tokens cut into ``NUM_SPLITS`` runs of whole ``BLOCK_N`` blocks (the last splits may be empty)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b).to(tl.int32)
+    req = tl.load(req_pool_indices + b).to(tl.int64)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = sp * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    return b, kvh, sp, req, start, end
+
+
+@triton.jit
 def block_slots(t, tmask, tok_row_ptr):
     """Slots of a request's tokens ``t`` (its ``req_to_token`` row at ``tok_row_ptr``), int64; 0 outside ``tmask``."""
     return tl.load(tok_row_ptr + t, mask=tmask, other=0).to(tl.int64)

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.triton_helpers import program_split
 from .triton_kernel import LOG2E, choose_splits, merge_splits
 
 
@@ -16,14 +17,7 @@ def _bf16_split_kernel(q_ptr, k_buf, v_buf, req_to_token, req_pool_indices, seq_
                        stride_qb, stride_qh, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
                        GQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                        BF16_DOT: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
-    req = tl.load(req_pool_indices + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = sp * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    b, kvh, sp, req, start, end = program_split(seq_lens, req_pool_indices, NUM_SPLITS, BLOCK_N)
     h = tl.arange(0, BLOCK_H)
     hmask = h < GQ
     qh = kvh * GQ + h

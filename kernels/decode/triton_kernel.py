@@ -25,8 +25,8 @@ import triton.language as tl
 
 from ..common.triton_helpers import (attend_cold_block, attend_cold_block_folded, attend_fetched_block,
                                      attend_hot_block, attend_hot_block_folded, bf16_rne, block_slots,
-                                     fetch_block, folded_bias, folded_sums, load_row_pieces, rotate_rows,
-                                     slot_entries, store_pieces)
+                                     fetch_block, folded_bias, folded_sums, load_row_pieces, program_split,
+                                     rotate_rows, slot_entries, store_pieces)
 from ..interpret import interpreted
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 from ..occupancy import Multiprocessor, compiled_resources, resident_programs
@@ -55,14 +55,7 @@ def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scal
                          ROTATE_Q: tl.constexpr, HOT_SKIP: tl.constexpr, PREFETCH: tl.constexpr,
                          FOLD: tl.constexpr, PACKED: tl.constexpr, HOT_LOOP: tl.constexpr,
                          UNPACK_FIRST: tl.constexpr):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
-    seq_len = tl.load(seq_lens + b).to(tl.int32)
-    req = tl.load(req_pool_indices + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = sp * per_split
-    end = tl.minimum(start + per_split, seq_len)
+    b, kvh, sp, req, start, end = program_split(seq_lens, req_pool_indices, NUM_SPLITS, BLOCK_N)
 
     h = tl.arange(0, BLOCK_H)
     hmask = h < GQ
