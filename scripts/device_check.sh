@@ -9,6 +9,8 @@
 #
 # Steps (each logged, each with its own time limit; a failing step does not stop the others):
 #   env            GPU, driver, glibc, Python packages
+#   triton         only where out/triton_bundle is carried (scripts/device/build_triton_bundle.sh): Triton 3.8, a
+#                  user's, unpacked (scripts/device/unpack_triton.py) and imported by every step after it
 #   install        the bundle's wheels + this project + the sgl_kernel stand-in into a folder of their own
 #                  (scripts/device/install_bundle.sh), SGLang's torch-fallback environment
 #                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout. Into
@@ -98,7 +100,7 @@ only_with_needs() {  # ONLY with the steps that the chosen ones need (printed)
     echo "$only"
 }
 [ -n "${ONLY:-}" ] && ONLY="$(only_with_needs "$ONLY")"
-wanted() { [ -z "${ONLY:-}" ] || [[ " env $ONLY " == *" $1 "* ]]; }
+wanted() { [ -z "${ONLY:-}" ] || [[ " env triton $ONLY " == *" $1 "* ]]; }
 step() {  # name, time limit (s), command...
     local name="$1" limit="$2"; shift 2
     if ! wanted "$name"; then echo "== $name: skipped (ONLY=$ONLY)" | tee -a "$RES/summary.txt"; return 0; fi
@@ -144,6 +146,19 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clo
   echo \"ninja: \$(command -v ninja || echo none), nvcc: \$(command -v nvcc || echo none)\";
   $PY -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
     triton.__version__, transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"NO CUDA\")'"
+
+# Triton 3.8, what a user's SGLang 0.5.23 (torch 2.14.1) compiles the kernels with, where its bundle is carried
+# (scripts/device/build_triton_bundle.sh; the machine's own is 3.6): every step below imports it, with the
+# machine's ptxas. Carried instead of the SGLang bundle (together they are over the carry limit): a call that
+# times and tests the kernels, not the servers.
+TRITON_BUNDLE="${TRITON_BUNDLE:-$ROOT/out/triton_bundle}"
+if [ -f "$TRITON_BUNDLE/triton.tar.xz" ] \
+        && step triton 120 "$PY" "$ROOT/scripts/device/unpack_triton.py" "$TRITON_BUNDLE" "${TRITON_DIR:-/tmp/oscar-triton}"; then
+    # shellcheck disable=SC1090
+    source "${TRITON_DIR:-/tmp/oscar-triton}.env"
+    echo "== the steps below import triton $("$PY" -c 'import triton; print(triton.__version__)' 2>&1) from the bundle" \
+        | tee -a "$RES/summary.txt"
+fi
 
 HAVE_SGLANG=0
 # Outside WORK, so a rerun on the warm machine finds it and skips pip when bundle and source are the same

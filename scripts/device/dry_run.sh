@@ -2,6 +2,8 @@
 # Dry run, on this CPU machine, of what scripts/device_check.sh does on the GPU test machine:
 #
 #   bash scripts/device/dry_run.sh          # ~5 min (+3 min the first time, for the venv); results in out/dry_run/
+#   TRITON_BUNDLE=out/triton_bundle ONLY=kernel_tests bash scripts/device/dry_run.sh
+#                                           # the call that carries the Triton 3.8 bundle instead (no SGLang)
 #
 # 1. A Python 3.12 venv like the GPU machine's: torch 2.11.0 (+ torchvision, torchaudio), triton 3.6.0,
 #    transformers 5.17.0 and the machine's other packages (scripts/device/device_like_requirements.txt),
@@ -53,7 +55,17 @@ carried=$(grep -v -e '^#' -e 'also on the device' scripts/device/bundle_wheels.t
 py=$venv/bin/python
 "$py" -c 'import torch, triton, transformers; print(f"[dry-run] python 3.12 venv: torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")'
 
-[ -f out/device_bundle/bundle.json ] || bash scripts/device/build_bundle.sh
+# Which call this mirrors: the SGLang bundle's (default; a Triton bundle built here is not used, as it is not
+# carried there) or the Triton bundle's (no SGLang bundle there).
+triton_bundle=${TRITON_BUNDLE:-none}
+if [ "$triton_bundle" != none ]; then
+  [ -f "$triton_bundle/triton.tar.xz" ] || bash scripts/device/build_triton_bundle.sh
+  bundle=none
+else
+  [ -f out/device_bundle/bundle.json ] || bash scripts/device/build_bundle.sh
+  bundle=out/device_bundle
+fi
+triton_dir=$work/triton
 rm -rf "$out"
 # The install's folder: a whole run starts without one, as on a fresh device machine; a rerun row (ONLY=...)
 # finds the one the run before it filled, as on the warm machine (install_bundle.sh reuses it if its stamp fits).
@@ -61,14 +73,25 @@ device_site=$work/device-site
 [ -n "${ONLY:-}" ] || rm -rf "$device_site"
 rc=0
 OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} INTERPRETER_PYTHONPATH=$interp DEVICE_SITE=$device_site \
-  bash scripts/device_check.sh || rc=$?
-# 3. Every kernel compiled for sm_90 by the device's Triton (3.6) down to a cubin: the GPU runs compiled kernels,
+  BUNDLE=$bundle TRITON_BUNDLE=$triton_bundle TRITON_DIR=$triton_dir bash scripts/device_check.sh || rc=$?
+#    With TRITON_BUNDLE (out/triton_bundle, built if missing): the call that carries it instead of the SGLang
+#    bundle, so no SGLang; its Triton 3.8 unpacked and imported by every step, and by the compile check below
+#    (with this machine's ptxas where it has one, as the device's).
+# 3. Every kernel compiled for sm_90 by the device's Triton (3.6; 3.8 with TRITON_BUNDLE) down to a cubin: the GPU runs compiled kernels,
 #    which the interpreter above does not exercise (kernels/compile_check.py; ~1 min).
 site=$work/site
 rm -rf "$site"
-PYTHON=$py bash scripts/device/install_bundle.sh out/device_bundle "$site" > "$out/compile_check_install.log" 2>&1
-if ! (cd / && PYTHONPATH=$site OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$py" -m oscar_sglang.kernels.compile_check \
-      --arch 90) > "$out/compile_check_sm90.txt" 2>&1; then
+if [ "$bundle" != none ]; then
+  PYTHON=$py bash scripts/device/install_bundle.sh "$bundle" "$site" > "$out/compile_check_install.log" 2>&1
+  env_file=/dev/null
+else  # an import root of this checkout, as device_check.sh makes without a bundle, and the unpacked Triton
+  mkdir -p "$site" && cp -r oscar_sglang "$site/oscar_sglang"
+  for sub in kernels calibration configs; do ln -s "$root/$sub" "$site/oscar_sglang/$sub"; done
+  env_file=$triton_dir.env
+fi
+if ! (cd / && source "$env_file" && PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
+      "$py" -m oscar_sglang.kernels.compile_check --arch 90 && "$py" -c 'import triton; print("triton", triton.__version__)') \
+      > "$out/compile_check_sm90.txt" 2>&1; then
   echo "[dry-run] compile_check for sm_90 failed"
   [ "$rc" = 0 ] && rc=1
 fi
