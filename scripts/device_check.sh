@@ -62,6 +62,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$ROOT/out/device_check}"
 PY="${PYTHON:-python3}"
 BUNDLE="${BUNDLE:-$ROOT/out/device_bundle}"
+[ -d "$BUNDLE" ] && BUNDLE="$(cd "$BUNDLE" && pwd)"   # absolute: the steps after the install run elsewhere
 WORK="$(mktemp -d /tmp/oscar-device.XXXXXX)"
 RES="$WORK/results"
 mkdir -p "$OUT" "$RES"
@@ -152,6 +153,7 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clo
 # machine's ptxas. Carried instead of the SGLang bundle (together they are over the carry limit): a call that
 # times and tests the kernels, not the servers.
 TRITON_BUNDLE="${TRITON_BUNDLE:-$ROOT/out/triton_bundle}"
+[ -d "$TRITON_BUNDLE" ] && TRITON_BUNDLE="$(cd "$TRITON_BUNDLE" && pwd)"
 if [ -f "$TRITON_BUNDLE/triton.tar.xz" ] \
         && step triton 120 "$PY" "$ROOT/scripts/device/unpack_triton.py" "$TRITON_BUNDLE" "${TRITON_DIR:-/tmp/oscar-triton}"; then
     # shellcheck disable=SC1090

@@ -60,10 +60,11 @@ py=$venv/bin/python
 triton_bundle=${TRITON_BUNDLE:-none}
 if [ "$triton_bundle" != none ]; then
   [ -f "$triton_bundle/triton.tar.xz" ] || bash scripts/device/build_triton_bundle.sh
+  triton_bundle=$(cd "$triton_bundle" && pwd)
   bundle=none
 else
   [ -f out/device_bundle/bundle.json ] || bash scripts/device/build_bundle.sh
-  bundle=out/device_bundle
+  bundle=$root/out/device_bundle
 fi
 triton_dir=$work/triton
 rm -rf "$out"
