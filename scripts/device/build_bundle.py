@@ -143,6 +143,19 @@ def source_tree_bytes() -> int:
     return tree_bytes(ROOT / p for p in out.split("\0") if p)
 
 
+def check_size(tag: str, what: str, bundle_bytes: int) -> int:
+    """Print ``what`` (the bundle's description) with the source tree's size and the two together against
+    :data:`LIMIT_MIB` (what one device call may carry); 1 if over it, else 0."""
+    source = source_tree_bytes()
+    total = (bundle_bytes + source) / 2**20
+    print(f"[{tag}] {what}; source tree {source / 2**20:.1f} MiB; together {total:.1f} MiB (limit {LIMIT_MIB} MiB)",
+          flush=True)
+    if total > LIMIT_MIB:
+        print(f"[{tag}] too large: {total:.1f} MiB > {LIMIT_MIB} MiB", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.out.exists():
@@ -173,15 +186,8 @@ def main(argv=None) -> int:
     (args.out / "bundle.json").write_text(json.dumps(manifest, indent=1))
 
     bundle = tree_bytes(args.out.rglob("*"))
-    source = source_tree_bytes()
-    total = (bundle + source) / 2**20
-    print(f"[bundle] {args.out}: {len(files)} files, {bundle / 2**20:.1f} MiB "
-          f"(wheels {tree_bytes(wheels.iterdir()) / 2**20:.1f} MiB); source tree {source / 2**20:.1f} MiB; "
-          f"together {total:.1f} MiB (limit {LIMIT_MIB} MiB)", flush=True)
-    if total > LIMIT_MIB:
-        print(f"[bundle] too large: {total:.1f} MiB > {LIMIT_MIB} MiB", file=sys.stderr)
-        return 1
-    return 0
+    return check_size("bundle", f"{args.out}: {len(files)} files, {bundle / 2**20:.1f} MiB "
+                                f"(wheels {tree_bytes(wheels.iterdir()) / 2**20:.1f} MiB)", bundle)
 
 
 if __name__ == "__main__":

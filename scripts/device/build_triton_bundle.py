@@ -38,7 +38,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from build_bundle import LIMIT_MIB, ROOT, download, source_tree_bytes  # noqa: E402
+from build_bundle import ROOT, check_size, download  # noqa: E402
 
 TRITON = "triton==3.8.0"
 # Left out of the package (paths inside the wheel): the bundled CUDA tools, the profilers' libraries, test libraries
@@ -104,17 +104,10 @@ def main(argv=None) -> int:
                 "left_out": slim["left_out"], "tarball_bytes": tarball.stat().st_size,
                 "sha256": hashlib.sha256(tarball.read_bytes()).hexdigest()}
     (args.out / "triton_bundle.json").write_text(json.dumps(manifest, indent=1))
-    bundle = sum(p.stat().st_size for p in args.out.iterdir())
-    source = source_tree_bytes()
-    total = (bundle + source) / 2**20
-    print(f"[triton] {args.out}: {wheel.name} {wheel.stat().st_size / 2**20:.1f} MiB -> triton.tar.xz "
-          f"{tarball.stat().st_size / 2**20:.1f} MiB ({slim['files']} files; left out "
-          f"{sum(slim['left_out'].values()) / 2**20:.0f} MiB unpacked); source tree {source / 2**20:.1f} MiB; "
-          f"together {total:.1f} MiB (limit {LIMIT_MIB} MiB)", flush=True)
-    if total > LIMIT_MIB:
-        print(f"[triton] too large: {total:.1f} MiB > {LIMIT_MIB} MiB", file=sys.stderr)
-        return 1
-    return 0
+    return check_size("triton", f"{args.out}: {wheel.name} {wheel.stat().st_size / 2**20:.1f} MiB -> triton.tar.xz "
+                                f"{tarball.stat().st_size / 2**20:.1f} MiB ({slim['files']} files; left out "
+                                f"{sum(slim['left_out'].values()) / 2**20:.0f} MiB unpacked)",
+                      sum(p.stat().st_size for p in args.out.iterdir()))
 
 
 if __name__ == "__main__":
