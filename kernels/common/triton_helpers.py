@@ -413,14 +413,18 @@ def folded_sums(lt, zt, wt, o0, o1, o2, o3, V_BITS: tl.constexpr, V_SYM: tl.cons
 def program_split(seq_lens, req_pool_indices, NUM_SPLITS, BLOCK_N: tl.constexpr):
     """A split-K decode program's request ``b``, KV head ``kvh``, split ``sp`` (grid ``(batch, kv_heads,
     splits)``), the request's pool row ``req`` (int64) and its tokens ``[start, end)``: the request's
-    tokens cut into ``NUM_SPLITS`` runs of whole ``BLOCK_N`` blocks (the last splits may be empty)."""
+    tokens cut into ``NUM_SPLITS`` runs of whole ``BLOCK_N`` blocks.  The last splits may be empty; they start
+    at the request's end, so that a loop from ``start`` or up to it (the hot blocks' loop runs from the first
+    hot block to the last, ``start - BLOCK_N`` when there is none) has nothing to do there: until 2026-12-05
+    they started past it, and an empty split's hot loop stepped through every block between the request's
+    end and its own start (at batch 1, 32k, whole waves of 99 splits: 13 empty ones, the last ~76 blocks)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     req = tl.load(req_pool_indices + b).to(tl.int64)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = sp * per_split
+    start = tl.minimum(sp * per_split, seq_len)
     end = tl.minimum(start + per_split, seq_len)
     return b, kvh, sp, req, start, end
 
