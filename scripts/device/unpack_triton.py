@@ -77,7 +77,7 @@ def unpack(bundle: Path, dest: Path) -> dict:
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     with tarfile.open(tarball, "r:xz") as tar:
-        tar.extractall(dest, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(dest)
+        tar.extractall(dest, filter="data")  # no links or paths out of dest (Python >= 3.11.4, 3.12)
     stamp.write_text(digest)
     print(f"[triton] unpacked triton {manifest['triton']} ({manifest['files']} files) into {dest}")
     return manifest
