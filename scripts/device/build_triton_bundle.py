@@ -5,10 +5,10 @@
 Why: a user's SGLang 0.5.23 installs torch 2.14.1 and with it Triton 3.8, while the lent machine has torch
 2.11 and Triton 3.6, and the two compile the INT2 decode very differently (docs/KERNELS.md, "What the decode
 loop issues": the default loop 1797 instructions per block with 3.6, 959 with 3.8).  So the kernels' GPU
-numbers so far are those of a compiler users do not get.  The Triton 3.8 wheel is ~190 MB, over the device
-tool's 64 MiB carry limit; what the kernels need of it is much less:
+numbers so far are those of a compiler users do not get.  The Triton 3.8 wheel is 236.5 MiB (cp312), over the
+device tool's 64 MiB carry limit; what the kernels need of it is much less:
 
-* ``triton/_C/libtriton.so`` without its debug information (``strip --strip-unneeded``: 506 -> 192 MB);
+* ``triton/_C/libtriton.so`` without its debug information (``strip --strip-unneeded``: 482 -> 183 MiB);
 * not the CUDA tools it bundles (``backends/nvidia/bin``: ``ptxas``, ``cuobjdump``, ``nvdisasm``, 85 MB):
   the machine has CUDA 13.0's, which ``scripts/device/unpack_triton.py`` names through Triton's
   ``TRITON_PTXAS_PATH`` and the like (so the device compiles with ptxas 13.0, where this machine's counts
