@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # The one prepared script for a lent GPU machine (H200: Python 3.12, torch 2.11, triton 3.6, transformers
-# 5.17, nvcc; no sglang, no network). Build the carry bundle first, here: bash scripts/device/build_bundle.sh
+# 5.17, nvcc; no sglang, no network). Build the carry bundles first, here: bash scripts/device/build_bundle.sh &&
+# bash scripts/device/build_triton_bundle.sh (together with the source tree under the tool's 64 MiB)
 #
-#   device tool:  run  command="bash scripts/device_check.sh"  carry=["out/device_bundle"]  timeout_s=600
+#   device tool:  run  command="bash scripts/device_check.sh"  carry=["out/device_bundle", "out/triton_bundle"]
+#                 timeout_s=600
 #   (planned inside DEVICE_LIMIT_S, 590 s: the servers take what the steps before leave, less 170 s kept for the
 #   kernel benchmark; the calibration step comes last with what is left)
 #   on CPU:       bash scripts/device/dry_run.sh   (a device-like Python 3.12 venv, then this script)
 #
 # Steps (each logged, each with its own time limit; a failing step does not stop the others):
 #   env            GPU, driver, glibc, Python packages
+#   unpack         out/device_bundle's tarball (SGLang's wheels, the tokenizer, the prompts) into /tmp/oscar-bundle
+#                  (BUNDLE_DIR), sha256-checked (scripts/device/unpack_bundle.py); kept on a warm machine
 #   triton         only where out/triton_bundle is carried (scripts/device/build_triton_bundle.sh): Triton 3.8, a
-#                  user's, unpacked (scripts/device/unpack_triton.py) and imported by every step after it
+#                  user's, unpacked (scripts/device/unpack_triton.py) and imported by every step after it, the
+#                  servers too unless torch's own compiler (inductor) fails with it there
 #   install        the bundle's wheels + this project + the sgl_kernel stand-in into a folder of their own
 #                  (scripts/device/install_bundle.sh), SGLang's torch-fallback environment
 #                  (scripts/device/server_env.sh); without a bundle: an import root from this checkout. Into
@@ -101,7 +106,7 @@ only_with_needs() {  # ONLY with the steps that the chosen ones need (printed)
     echo "$only"
 }
 [ -n "${ONLY:-}" ] && ONLY="$(only_with_needs "$ONLY")"
-wanted() { [ -z "${ONLY:-}" ] || [[ " env triton $ONLY " == *" $1 "* ]]; }
+wanted() { [ -z "${ONLY:-}" ] || [[ " env unpack triton $ONLY " == *" $1 "* ]]; }
 step() {  # name, time limit (s), command...
     local name="$1" limit="$2"; shift 2
     if ! wanted "$name"; then echo "== $name: skipped (ONLY=$ONLY)" | tee -a "$RES/summary.txt"; return 0; fi
@@ -148,10 +153,19 @@ step env 60 bash -c "nvidia-smi --query-gpu=name,driver_version,memory.total,clo
   $PY -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
     triton.__version__, transformers.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"NO CUDA\")'"
 
+# The SGLang bundle travels as one xz tarball (so that it fits one call with the Triton bundle): unpacked into a
+# folder of its own, which every step below reads as BUNDLE. A folder with wheels/ (unpacked already) is used as
+# it is.
+if [ -f "$BUNDLE/bundle.tar.xz" ] && step unpack 60 "$PY" "$ROOT/scripts/device/unpack_bundle.py" "$BUNDLE" \
+        "${BUNDLE_DIR:-/tmp/oscar-bundle}"; then
+    BUNDLE="${BUNDLE_DIR:-/tmp/oscar-bundle}"
+fi
+
 # Triton 3.8, what a user's SGLang 0.5.23 (torch 2.14.1) compiles the kernels with, where its bundle is carried
 # (scripts/device/build_triton_bundle.sh; the machine's own is 3.6): every step below imports it, with the
-# machine's ptxas. Carried instead of the SGLang bundle (together they are over the carry limit): a call that
-# times and tests the kernels, not the servers.
+# machine's ptxas; the servers too, unless its check found torch 2.11's own compiler (inductor, which SGLang
+# uses for a few functions) failing with it (OSCAR_TRITON_INDUCTOR=0 in its environment file): then they run
+# on the machine's Triton, and the summary says so.
 TRITON_BUNDLE="${TRITON_BUNDLE:-$ROOT/out/triton_bundle}"
 [ -d "$TRITON_BUNDLE" ] && TRITON_BUNDLE="$(cd "$TRITON_BUNDLE" && pwd)"
 if [ -f "$TRITON_BUNDLE/triton.tar.xz" ] \
@@ -210,6 +224,13 @@ kernel_test_paths() {  # what the kernel_tests step runs, one per line; the CUDA
     [ "$HAVE_SGLANG" = 1 ] && echo "$ROOT/tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode"
     return 0
 }
+servers_env() {  # env(1) and its arguments, one per line, for the server steps: the bundle's Triton off the path
+    echo env      # where torch's compiler failed with it in the triton step (OSCAR_TRITON_INDUCTOR=0), else as is
+    [ "${OSCAR_TRITON_INDUCTOR:-1}" = 0 ] && [ -n "${OSCAR_TRITON_DIR:-}" ] || return 0
+    local tool
+    for tool in PTXAS CUOBJDUMP NVDISASM; do echo -u; echo "TRITON_${tool}_PATH"; done   # (options first)
+    echo "PYTHONPATH=$(printf '%s' "${PYTHONPATH:-}" | tr ':' '\n' | grep -vxF "$OSCAR_TRITON_DIR" | paste -sd: -)"
+}
 if [[ " ${ONLY:-} " == *" decode_variants "* ]]; then  # opt-in: a diagnosis, not part of the whole run
     step decode_variants $([ "$GPU" = 1 ] && echo 120 || echo 300) "${INTERP[@]}" "$PY" \
         "$ROOT/scripts/device/decode_variants.py" --out "$RES" --budget-s "${VARIANTS_BUDGET_S:-70}"
@@ -255,14 +276,17 @@ if [ "$HAVE_SGLANG" = 1 ] && [ "$HAVE_MODELS" = 1 ]; then
     else
         serve_s=400
     fi
+    mapfile -t SERVER_ENV < <(servers_env)
+    [ "${#SERVER_ENV[@]}" -gt 1 ] && echo "== the servers run on the machine's triton: torch's compiler (inductor)" \
+        "failed with the bundle's in the triton step" | tee -a "$RES/summary.txt"
     # shellcheck disable=SC2086  # SERVE_CACHES and SERVE_ARGS are lists of words
-    step servers $((serve_s + 30)) "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
+    step servers $((serve_s + 30)) "${SERVER_ENV[@]}" "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
         --rotations "$WORK/models/$GEOM-hadamard" --dummy --dataset-path "$BUNDLE/sharegpt_shakespeare.json" \
         --out "$RES" --time-limit "$serve_s" --caches ${SERVE_CACHES:-bf16 oscar-int2} "${SERVE[@]}" ${SERVE_ARGS:-}
     # Tensor parallelism on a machine with several GPUs: the INT2 server over 2 ranks (each rank serves the
     # rotations of its KV heads), 8k input only.
     if [ "$GPU" = 1 ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
-        step servers_tp2 $((serve_s + 30)) "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
+        step servers_tp2 $((serve_s + 30)) "${SERVER_ENV[@]}" "$PY" "$ROOT/scripts/device/serve_bench.py" --model "$WORK/models/$GEOM" \
             --rotations "$WORK/models/$GEOM-hadamard" --dummy --dataset-path "$BUNDLE/sharegpt_shakespeare.json" \
             --out "$RES" --caches oscar-int2 --tp 2 --tag _tp2 --input-lens 8192 --kv-budget-gib 16 --time-limit 240
     fi

@@ -58,3 +58,22 @@ def test_kernel_tests_run_with_or_without_sglang(have_sglang):
                             "--rootdir", str(ROOT), *paths, str(ROOT / GRAPH_TEST)],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode != 0  # what the step ran before: with the graph test named, nothing is collected
+
+
+@pytest.mark.parametrize("inductor", ["1", "0", ""])
+def test_servers_leave_the_bundled_triton_only_where_torch_s_compiler_failed_with_it(inductor):
+    """The triton step's environment file says whether torch 2.11's inductor works with the bundle's Triton 3.8;
+    where it does not, the servers (which compile a few functions with it) run on the machine's Triton."""
+    setup = ('export PYTHONPATH=/tmp/oscar-device-site:/tmp/oscar-triton:/tmp/pkg OSCAR_TRITON_DIR=/tmp/oscar-triton '
+             'TRITON_PTXAS_PATH=/cuda/bin/ptxas')
+    if inductor:
+        setup += f" OSCAR_TRITON_INDUCTOR={inductor}"
+    r = subprocess.run(["bash", "-c", "\n".join([
+        "set -u -o pipefail", setup, shell_function("device_check.sh", "servers_env"),
+        'mapfile -t E < <(servers_env)', '"${E[@]}" bash -c \'echo "$PYTHONPATH|${TRITON_PTXAS_PATH:-unset}"\''])],
+        capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    if inductor == "0":
+        assert r.stdout.strip() == "/tmp/oscar-device-site:/tmp/pkg|unset"
+    else:  # it works, or no GPU tried it: as the triton step left it
+        assert r.stdout.strip() == "/tmp/oscar-device-site:/tmp/oscar-triton:/tmp/pkg|/cuda/bin/ptxas"

@@ -108,6 +108,8 @@ def test_unpacking_names_the_machine_s_ptxas_and_is_reused(tmp_path):
     lines = env_file.read_text().splitlines()
     assert lines[0] == f"export PYTHONPATH={dest}${{PYTHONPATH:+:$PYTHONPATH}}"   # first on the path, the rest kept
     assert f"export TRITON_PTXAS_PATH={tmp_path}/cuda/bin/ptxas" in lines
+    assert f"export OSCAR_TRITON_DIR={dest}" in lines                          # what the servers' fallback drops
+    assert not any("OSCAR_TRITON_INDUCTOR" in ln for ln in lines)            # tried only where CUDA is
     sourced = subprocess.run(["bash", "-c", f"PYTHONPATH=/elsewhere; source {env_file}; echo $PYTHONPATH"],
                              capture_output=True, text=True).stdout.strip()
     assert sourced == f"{dest}:/elsewhere"
@@ -118,8 +120,10 @@ def test_unpacking_names_the_machine_s_ptxas_and_is_reused(tmp_path):
 def test_unpacking_refuses_another_version_a_changed_tarball_and_says_what_is_missing(tmp_path):
     for case in "abc":
         (tmp_path / case).mkdir()
+    (tmp_path / "a" / "t.env").write_text("export PYTHONPATH=/an/earlier/run\n")   # a warm machine's
     r = _run(_bundle(tmp_path / "a", version="3.6.0"), tmp_path / "a" / "t", tmp_path / "a")
     assert r.returncode == 1 and "imports triton 3.6.0" in r.stderr        # not the manifest's version
+    assert not (tmp_path / "a" / "t.env").exists()                          # no stale environment left to source
     bundle = _bundle(tmp_path / "b")
     with open(bundle / "triton.tar.xz", "ab") as f:                         # a tarball the manifest does not name
         f.write(b"\0")

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # Dry run, on this CPU machine, of what scripts/device_check.sh does on the GPU test machine:
 #
-#   bash scripts/device/dry_run.sh          # ~5 min (+3 min the first time, for the venv); results in out/dry_run/
-#   TRITON_BUNDLE=out/triton_bundle ONLY=kernel_tests bash scripts/device/dry_run.sh
-#                                           # the call that carries the Triton 3.8 bundle instead (no SGLang)
+#   bash scripts/device/dry_run.sh          # ~8 min (+3 min the first time, for the venv); results in out/dry_run/
+#   TRITON_BUNDLE=none bash scripts/device/dry_run.sh   # the call without the Triton 3.8 bundle (the machine's 3.6)
 #
 # 1. A Python 3.12 venv like the GPU machine's: torch 2.11.0 (+ torchvision, torchaudio), triton 3.6.0,
 #    transformers 5.17.0 and the machine's other packages (scripts/device/device_like_requirements.txt),
@@ -11,8 +10,8 @@
 #    Kept between runs (stamped). Beside it, numpy < 2.3 in a folder of its own, put first on the path of the
 #    two steps that run Triton's interpreter here (INTERPRETER_PYTHONPATH): triton 3.6's interpreter fails on
 #    numpy >= 2.4 (the device's is 2.5), which the GPU never meets, since it runs compiled kernels.
-# 2. scripts/device_check.sh with that Python, exactly as on the device: the bundle (built if missing)
-#    installed into a fresh folder, `import sglang` and the plugins checked, the kernel tests (under
+# 2. scripts/device_check.sh with that Python, exactly as on the device, with both bundles (built if missing):
+#    Triton 3.8 unpacked and imported by every step, the SGLang bundle unpacked and installed into a fresh folder, `import sglang` and the plugins checked, the kernel tests (under
 #    Triton's interpreter here), the BF16 and oscar-int2 servers on a small dummy model of the GPU run's head
 #    shape benchmarked by sglang.bench_serving (short prompts), the kernel benchmark's CPU smoke.
 # 3. Every kernel compiled for sm_90 by that venv's Triton 3.6 (out/dry_run/compile_check_sm90.txt).
@@ -51,20 +50,18 @@ fi
 # What the GPU machine lacks must come from the bundle: remove whatever the installs above pulled in
 # (but not what the machine has too, marked "also on the device").
 carried=$(grep -v -e '^#' -e 'also on the device' scripts/device/bundle_wheels.txt | sed 's/==.*//' | tr '\n' ' ')
+carried="$carried jedi parso"   # on neither: IPython runs without them (bundle_wheels.txt)
 "$venv/bin/python" -m pip uninstall --yes --quiet $carried 2>/dev/null || true
 py=$venv/bin/python
 "$py" -c 'import torch, triton, transformers; print(f"[dry-run] python 3.12 venv: torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")'
 
-# Which call this mirrors: the SGLang bundle's (default; a Triton bundle built here is not used, as it is not
-# carried there) or the Triton bundle's (no SGLang bundle there).
-triton_bundle=${TRITON_BUNDLE:-none}
+# Which call this mirrors: both bundles carried (default), or the SGLang bundle alone (TRITON_BUNDLE=none).
+[ -f out/device_bundle/bundle.tar.xz ] || bash scripts/device/build_bundle.sh
+bundle=$root/out/device_bundle
+triton_bundle=${TRITON_BUNDLE:-out/triton_bundle}
 if [ "$triton_bundle" != none ]; then
   [ -f "$triton_bundle/triton.tar.xz" ] || bash scripts/device/build_triton_bundle.sh
   triton_bundle=$(cd "$triton_bundle" && pwd)
-  bundle=none
-else
-  [ -f out/device_bundle/bundle.json ] || bash scripts/device/build_bundle.sh
-  bundle=$root/out/device_bundle
 fi
 triton_dir=$work/triton
 rm -rf "$out"
@@ -74,22 +71,16 @@ device_site=$work/device-site
 [ -n "${ONLY:-}" ] || rm -rf "$device_site"
 rc=0
 OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} INTERPRETER_PYTHONPATH=$interp DEVICE_SITE=$device_site \
-  BUNDLE=$bundle TRITON_BUNDLE=$triton_bundle TRITON_DIR=$triton_dir bash scripts/device_check.sh || rc=$?
-#    With TRITON_BUNDLE (out/triton_bundle, built if missing): the call that carries it instead of the SGLang
-#    bundle, so no SGLang; its Triton 3.8 unpacked and imported by every step, and by the compile check below
-#    (with this machine's ptxas where it has one, as the device's).
-# 3. Every kernel compiled for sm_90 by the device's Triton (3.6; 3.8 with TRITON_BUNDLE) down to a cubin: the GPU runs compiled kernels,
-#    which the interpreter above does not exercise (kernels/compile_check.py; ~1 min).
+  BUNDLE=$bundle BUNDLE_DIR=$work/bundle TRITON_BUNDLE=$triton_bundle TRITON_DIR=$triton_dir \
+  bash scripts/device_check.sh || rc=$?
+# 3. Every kernel compiled for sm_90 by the call's Triton (3.8 from its bundle; the machine's 3.6 with
+#    TRITON_BUNDLE=none) down to a cubin, with this machine's ptxas where it has one, as the device's: the GPU
+#    runs compiled kernels, which the interpreter above does not exercise (kernels/compile_check.py; ~1 min).
 site=$work/site
 rm -rf "$site"
-if [ "$bundle" != none ]; then
-  PYTHON=$py bash scripts/device/install_bundle.sh "$bundle" "$site" > "$out/compile_check_install.log" 2>&1
-  env_file=/dev/null
-else  # an import root of this checkout, as device_check.sh makes without a bundle, and the unpacked Triton
-  mkdir -p "$site" && cp -r oscar_sglang "$site/oscar_sglang"
-  for sub in kernels calibration configs; do ln -s "$root/$sub" "$site/oscar_sglang/$sub"; done
-  env_file=$triton_dir.env
-fi
+PYTHON=$py bash scripts/device/install_bundle.sh "$bundle" "$site" > "$out/compile_check_install.log" 2>&1
+env_file=/dev/null
+[ "$triton_bundle" != none ] && env_file=$triton_dir.env   # written by the triton step where its checks passed
 if ! (cd / && source "$env_file" && PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \
       "$py" -m oscar_sglang.kernels.compile_check --arch 90 && "$py" -c 'import triton; print("triton", triton.__version__)') \
       > "$out/compile_check_sm90.txt" 2>&1; then

@@ -2,6 +2,7 @@
 # Install the carry bundle and this checkout into a target folder, as on the GPU test machine:
 #
 #   bash scripts/device/install_bundle.sh [BUNDLE] [SITE]    # defaults: out/device_bundle /tmp/oscar-site
+#   (BUNDLE as built, its tarball unpacked into SITE.bundle, or a folder scripts/device/unpack_bundle.py filled)
 #   source scripts/device/server_env.sh SITE                   # then: python -m sglang.launch_server ...
 #
 # No network, no dependency resolution: the bundle's wheels (scripts/device/build_bundle.py), then this
@@ -14,6 +15,10 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 bundle=${1:-$root/out/device_bundle}
 site=${2:-/tmp/oscar-site}
 py=${PYTHON:-python3}
+if [ ! -d "$bundle/wheels" ] && [ -f "$bundle/bundle.tar.xz" ]; then   # as built: unpack it beside SITE
+  "$py" "$root/scripts/device/unpack_bundle.py" "$bundle" "$site.bundle"
+  bundle=$site.bundle
+fi
 if [ ! -d "$bundle/wheels" ]; then
   echo "no bundle at $bundle (build it with: bash scripts/device/build_bundle.sh)" >&2
   exit 1

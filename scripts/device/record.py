@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import goals  # noqa: E402  (beside this file; needs no package)
 
-FIRST_COMMAND = 'run command="bash scripts/device_check.sh" carry=["out/device_bundle"] timeout_s=600'
+FIRST_COMMAND = ('run command="bash scripts/device_check.sh" carry=["out/device_bundle", "out/triton_bundle"] '
+                 'timeout_s=600')
 REPORTS = ("serve_bench", "bench_kernels", "bench_kernels_cpu_smoke", "decode_variants")
 FAILED_LOG_LINES = 30
 

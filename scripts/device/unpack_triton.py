@@ -1,7 +1,7 @@
 """Unpack the Triton 3.8 carry bundle on the GPU test machine and say how to use it.
 
     python3 scripts/device/unpack_triton.py out/triton_bundle /tmp/oscar-triton
-    source /tmp/oscar-triton.env     # PYTHONPATH first, TRITON_{PTXAS,CUOBJDUMP,NVDISASM}_PATH
+    source /tmp/oscar-triton.env     # PYTHONPATH first, TRITON_{PTXAS,CUOBJDUMP,NVDISASM}_PATH, OSCAR_TRITON_*
 
 The bundle (``scripts/device/build_triton_bundle.py``) is Triton's package without the CUDA tools it ships;
 this names the machine's own (``$CUDA_HOME/bin``, ``PATH``, ``/usr/local/cuda/bin``) through Triton's
@@ -9,20 +9,22 @@ environment variables.  A folder unpacked from the same tarball is kept (a rerun
 fresh Python with that environment must import this Triton, at the bundle's version, and, where CUDA is there,
 find a ``ptxas`` that Triton reads a version from and compile, launch and check a small kernel; a failure is
 the exit code, with the reason, and then no environment file is written (device_check.sh goes on with the
-machine's own Triton).
+machine's own Triton).  On the GPU it also tries torch's own compiler (inductor) with this Triton and writes
+the answer (``OSCAR_TRITON_INDUCTOR``): device_check.sh runs the servers on the machine's Triton where it fails.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import xz_tarball  # noqa: E402
 
 TOOLS = ("ptxas", "cuobjdump", "nvdisasm")
 CHECK = """
@@ -49,6 +51,16 @@ if cuda:  # compiled, launched and right on the GPU: the path every kernel step 
     _plus_one[(8,)](x, 1000, BLOCK=128)
     assert torch.equal(x.cpu(), torch.arange(1, 1001, dtype=torch.float32)), "a launched kernel's result is wrong"
     out["launched"] = True
+    # torch's own compiler generates Triton code for the Triton it was built with (3.6 for the machine's torch
+    # 2.11); SGLang compiles a few functions with it. Whether it works with this Triton decides whether the
+    # servers run on it (device_check.sh); a failure here is reported, not fatal.
+    try:
+        fn = torch.compile(lambda a, b: torch.relu(a * b + 1.0), dynamic=True)
+        a, b = torch.randn(4099, device="cuda"), torch.randn(4099, device="cuda")
+        torch.testing.assert_close(fn(a, b), torch.relu(a * b + 1.0))
+        out["inductor"] = True
+    except Exception as e:  # noqa: BLE001 - any failure is the answer
+        out["inductor"] = f"{type(e).__name__}: {str(e)[:400]}"
 print(json.dumps(out))
 """
 
@@ -65,21 +77,10 @@ def cuda_tool(name: str) -> str | None:
 def unpack(bundle: Path, dest: Path) -> dict:
     """Extract ``bundle/triton.tar.xz`` into ``dest`` unless it already holds it (checked by sha256)."""
     manifest = json.loads((bundle / "triton_bundle.json").read_text())
-    tarball = bundle / "triton.tar.xz"
-    digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
-    if digest != manifest["sha256"]:
-        raise SystemExit(f"{tarball}: sha256 {digest} is not the manifest's {manifest['sha256']}")
-    stamp = dest / ".oscar-triton-stamp"
-    if stamp.is_file() and stamp.read_text() == digest:
+    if xz_tarball.unpack_checked(bundle / "triton.tar.xz", manifest["sha256"], dest):
         print(f"[triton] reusing {dest} (unpacked from the same tarball)")
-        return manifest
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    with tarfile.open(tarball, "r:xz") as tar:
-        tar.extractall(dest, filter="data")  # no links or paths out of dest (Python >= 3.11.4, 3.12)
-    stamp.write_text(digest)
-    print(f"[triton] unpacked triton {manifest['triton']} ({manifest['files']} files) into {dest}")
+    else:
+        print(f"[triton] unpacked triton {manifest['triton']} ({manifest['files']} files) into {dest}")
     return manifest
 
 
@@ -94,6 +95,8 @@ def main(argv=None) -> int:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     bundle, dest = Path(args[0]), Path(args[1])
+    env_file = dest.with_name(dest.name + ".env")
+    env_file.unlink(missing_ok=True)  # an earlier run's: written again below only if every check passes
     manifest = unpack(bundle, dest)
     tools = tool_environment()
     missing = [t for t in TOOLS if f"TRITON_{t.upper()}_PATH" not in tools]
@@ -102,7 +105,9 @@ def main(argv=None) -> int:
     path = str(dest) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     check = dest / ".oscar_triton_check.py"  # a file: triton.jit reads its kernel's source
     check.write_text(CHECK)
-    r = subprocess.run([sys.executable, str(check)], env={**os.environ, **tools, "PYTHONPATH": path},
+    # (inductor compiles in this process: no pool of compile workers to start, or to outlive a failure)
+    r = subprocess.run([sys.executable, str(check)], env={**os.environ, **tools, "PYTHONPATH": path,
+                                                         "TORCHINDUCTOR_COMPILE_THREADS": "1"},
                        capture_output=True, text=True, cwd="/")
     if r.returncode != 0:
         print(f"[triton] the unpacked Triton does not load:\n{r.stderr[-2000:]}", file=sys.stderr)
@@ -115,8 +120,13 @@ def main(argv=None) -> int:
     print(f"[triton] triton {found['version']} from {found['file']}"
           + (f"; ptxas {found['ptxas']['path']} (CUDA {found['ptxas']['cuda']})" if "ptxas" in found else "")
           + ("; a kernel compiled, launched and checked on the GPU" if found.get("launched") else ""))
-    env_file = dest.with_name(dest.name + ".env")
+    if "inductor" in found:
+        print("[triton] torch's compiler (inductor) " + ("compiles and runs with it" if found["inductor"] is True else
+              f"fails with it, so the servers will run on the machine's Triton: {found['inductor']}"))
     env_file.write_text(f"export PYTHONPATH={shlex.quote(str(dest))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+                        + f"export OSCAR_TRITON_DIR={shlex.quote(str(dest))}\n"
+                        + (f"export OSCAR_TRITON_INDUCTOR={int(found['inductor'] is True)}\n" if "inductor" in found
+                           else "")
                         + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in tools.items()))
     print(f"[triton] environment: {env_file}")
     return 0
