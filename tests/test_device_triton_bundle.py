@@ -106,15 +106,19 @@ def test_unpacking_names_the_machine_s_ptxas_and_is_reused(tmp_path):
     assert f"triton 3.8.0 from {dest}/triton/__init__.py; ptxas {tmp_path}/cuda/bin/ptxas (CUDA 13.0)" in r.stdout
     env_file = tmp_path / "oscar-triton.env"
     lines = env_file.read_text().splitlines()
-    assert lines[0] == f"export PYTHONPATH={dest}${{PYTHONPATH:+:$PYTHONPATH}}"   # first on the path, the rest kept
+    assert lines[1] == f"export PYTHONPATH={dest}${{PYTHONPATH:+:$PYTHONPATH}}"   # first on the path, the rest kept
     assert f"export TRITON_PTXAS_PATH={tmp_path}/cuda/bin/ptxas" in lines
     assert f"export OSCAR_TRITON_DIR={dest}" in lines                          # what the servers' fallback drops
     assert not any("OSCAR_TRITON_INDUCTOR" in ln for ln in lines)            # tried only where CUDA is
     sourced = subprocess.run(["bash", "-c", f"PYTHONPATH=/elsewhere; source {env_file}; echo $PYTHONPATH"],
                              capture_output=True, text=True).stdout.strip()
     assert sourced == f"{dest}:/elsewhere"
-    r = _run(bundle, dest, tmp_path)   # the warm machine's rerun: the same tarball is not unpacked again
-    assert r.returncode == 0 and f"reusing {dest}" in r.stdout
+    r = _run(bundle, dest, tmp_path)   # the warm machine's rerun: the same tarball is not unpacked again,
+    assert r.returncode == 0 and f"reusing {dest}" in r.stdout   # nor checked again
+    assert f"reusing {env_file}" in r.stdout and "; ptxas" not in r.stdout and env_file.read_text() == "\n".join(lines) + "\n"
+    env_file.write_text(env_file.read_text().replace(lines[0], "# checked: another tarball"))
+    r = _run(bundle, dest, tmp_path)   # an environment file the checks did not write for this tarball: checked again
+    assert r.returncode == 0 and "; ptxas" in r.stdout and env_file.read_text().splitlines() == lines
 
 
 def test_unpacking_refuses_another_version_a_changed_tarball_and_says_what_is_missing(tmp_path):

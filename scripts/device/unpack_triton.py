@@ -74,14 +74,16 @@ def cuda_tool(name: str) -> str | None:
     return None
 
 
-def unpack(bundle: Path, dest: Path) -> dict:
-    """Extract ``bundle/triton.tar.xz`` into ``dest`` unless it already holds it (checked by sha256)."""
+def unpack(bundle: Path, dest: Path) -> tuple[dict, bool]:
+    """Extract ``bundle/triton.tar.xz`` into ``dest`` unless it already holds it (checked by sha256): the
+    manifest, and whether ``dest`` was kept as it was."""
     manifest = json.loads((bundle / "triton_bundle.json").read_text())
-    if xz_tarball.unpack_checked(bundle / "triton.tar.xz", manifest["sha256"], dest):
+    reused = xz_tarball.unpack_checked(bundle / "triton.tar.xz", manifest["sha256"], dest)
+    if reused:
         print(f"[triton] reusing {dest} (unpacked from the same tarball)")
     else:
         print(f"[triton] unpacked triton {manifest['triton']} ({manifest['files']} files) into {dest}")
-    return manifest
+    return manifest, reused
 
 
 def tool_environment() -> dict[str, str]:
@@ -96,8 +98,12 @@ def main(argv=None) -> int:
         return 2
     bundle, dest = Path(args[0]), Path(args[1])
     env_file = dest.with_name(dest.name + ".env")
+    manifest, reused = unpack(bundle, dest)
+    checked = f"# checked: {manifest['sha256']} {sys.executable}\n"   # what the checks below passed for
+    if reused and env_file.is_file() and env_file.read_text().startswith(checked):
+        print(f"[triton] reusing {env_file}: an earlier run on this machine checked the same tarball")
+        return 0   # (the warm machine's rerun: the checks, inductor's compile among them, take 10-20 s there)
     env_file.unlink(missing_ok=True)  # an earlier run's: written again below only if every check passes
-    manifest = unpack(bundle, dest)
     tools = tool_environment()
     missing = [t for t in TOOLS if f"TRITON_{t.upper()}_PATH" not in tools]
     if missing:
@@ -123,7 +129,7 @@ def main(argv=None) -> int:
     if "inductor" in found:
         print("[triton] torch's compiler (inductor) " + ("compiles and runs with it" if found["inductor"] is True else
               f"fails with it, so the servers will run on the machine's Triton: {found['inductor']}"))
-    env_file.write_text(f"export PYTHONPATH={shlex.quote(str(dest))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+    env_file.write_text(checked + f"export PYTHONPATH={shlex.quote(str(dest))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
                         + f"export OSCAR_TRITON_DIR={shlex.quote(str(dest))}\n"
                         + (f"export OSCAR_TRITON_INDUCTOR={int(found['inductor'] is True)}\n" if "inductor" in found
                            else "")
