@@ -138,3 +138,17 @@ def test_unpacking_refuses_another_version_a_changed_tarball_and_says_what_is_mi
         # said; fatal only where a GPU needs it (no CUDA here: the interpreter compiles nothing)
         assert r.returncode == 0 and "not found on this machine: ptxas, cuobjdump, nvdisasm" in r.stdout
         assert "; ptxas" not in r.stdout
+
+
+def test_the_inductor_check_passes_with_torch_s_own_triton_and_reports_a_failure_or_a_hang(tmp_path):
+    """What decides whether the servers run on the bundle's Triton (``OSCAR_TRITON_INDUCTOR``): torch's compiler
+    tried in a process of its own. Here on the CPU (inductor's C++ code, ~20 s): the check itself is right, so a
+    failure on the GPU is the compiler's; then stand-in torch packages that fail and that hang."""
+    assert unpack.inductor_check(dict(os.environ), device="cpu", timeout_s=300) is True
+    for name, body in [("fails", "def compile(*a, **k):\n    raise RuntimeError('triton 3.8 lacks what I import')\n"),
+                       ("hangs", "import time\ndef compile(*a, **k):\n    time.sleep(60)\n")]:
+        (tmp_path / name / "torch").mkdir(parents=True)
+        (tmp_path / name / "torch" / "__init__.py").write_text(body)
+        env = {**os.environ, "PYTHONPATH": str(tmp_path / name)}
+        got = unpack.inductor_check(env, device="cpu", timeout_s=5)
+        assert got == ("RuntimeError: triton 3.8 lacks what I import" if name == "fails" else "no answer in 5 s")

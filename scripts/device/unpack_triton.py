@@ -51,18 +51,32 @@ if cuda:  # compiled, launched and right on the GPU: the path every kernel step 
     _plus_one[(8,)](x, 1000, BLOCK=128)
     assert torch.equal(x.cpu(), torch.arange(1, 1001, dtype=torch.float32)), "a launched kernel's result is wrong"
     out["launched"] = True
-    # torch's own compiler generates Triton code for the Triton it was built with (3.6 for the machine's torch
-    # 2.11); SGLang compiles a few functions with it. Whether it works with this Triton decides whether the
-    # servers run on it (device_check.sh); a failure here is reported, not fatal.
-    try:
-        fn = torch.compile(lambda a, b: torch.relu(a * b + 1.0), dynamic=True)
-        a, b = torch.randn(4099, device="cuda"), torch.randn(4099, device="cuda")
-        torch.testing.assert_close(fn(a, b), torch.relu(a * b + 1.0))
-        out["inductor"] = True
-    except Exception as e:  # noqa: BLE001 - any failure is the answer
-        out["inductor"] = f"{type(e).__name__}: {str(e)[:400]}"
 print(json.dumps(out))
 """
+# torch's own compiler (inductor) generates Triton code for the Triton it was built with (3.6 for the machine's
+# torch 2.11), and SGLang compiles a few functions with it: whether that works with this Triton decides whether
+# the servers run on it (device_check.sh). Its own process and time limit: a failure or a hang is an answer.
+INDUCTOR_CHECK = """
+import sys, torch
+device = sys.argv[1]
+fn = torch.compile(lambda a, b: torch.relu(a * b + 1.0), dynamic=True)
+a, b = torch.randn(4099, device=device), torch.randn(4099, device=device)
+torch.testing.assert_close(fn(a, b), torch.relu(a * b + 1.0))
+print("inductor ok")
+"""
+INDUCTOR_TIMEOUT_S = 90
+
+
+def inductor_check(env: dict[str, str], device: str = "cuda", timeout_s: float = INDUCTOR_TIMEOUT_S) -> bool | str:
+    """True where ``torch.compile`` compiles and runs a small function on ``device`` under ``env``, else why not."""
+    try:  # (one compile thread: no pool of compile workers to start, or to outlive a failure)
+        r = subprocess.run([sys.executable, "-c", INDUCTOR_CHECK, device], capture_output=True, text=True, cwd="/",
+                           env={**env, "TORCHINDUCTOR_COMPILE_THREADS": "1"}, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"no answer in {timeout_s:.0f} s"
+    if r.returncode == 0 and r.stdout.strip().endswith("inductor ok"):
+        return True
+    return (r.stderr.strip().splitlines() or ["no output"])[-1][:400]
 
 
 def cuda_tool(name: str) -> str | None:
@@ -111,10 +125,8 @@ def main(argv=None) -> int:
     path = str(dest) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     check = dest / ".oscar_triton_check.py"  # a file: triton.jit reads its kernel's source
     check.write_text(CHECK)
-    # (inductor compiles in this process: no pool of compile workers to start, or to outlive a failure)
-    r = subprocess.run([sys.executable, str(check)], env={**os.environ, **tools, "PYTHONPATH": path,
-                                                         "TORCHINDUCTOR_COMPILE_THREADS": "1"},
-                       capture_output=True, text=True, cwd="/")
+    env = {**os.environ, **tools, "PYTHONPATH": path}
+    r = subprocess.run([sys.executable, str(check)], env=env, capture_output=True, text=True, cwd="/")
     if r.returncode != 0:
         print(f"[triton] the unpacked Triton does not load:\n{r.stderr[-2000:]}", file=sys.stderr)
         return 1
@@ -126,7 +138,8 @@ def main(argv=None) -> int:
     print(f"[triton] triton {found['version']} from {found['file']}"
           + (f"; ptxas {found['ptxas']['path']} (CUDA {found['ptxas']['cuda']})" if "ptxas" in found else "")
           + ("; a kernel compiled, launched and checked on the GPU" if found.get("launched") else ""))
-    if "inductor" in found:
+    if found.get("launched"):
+        found["inductor"] = inductor_check(env)
         print("[triton] torch's compiler (inductor) " + ("compiles and runs with it" if found["inductor"] is True else
               f"fails with it, so the servers will run on the machine's Triton: {found['inductor']}"))
     env_file.write_text(checked + f"export PYTHONPATH={shlex.quote(str(dest))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
