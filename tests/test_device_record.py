@@ -171,3 +171,33 @@ def test_a_rerun_is_recorded_beside_the_first_and_judged_with_it(tmp_path):
 def test_a_folder_without_a_summary_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="no summary.txt"):
         record.record([tmp_path], tmp_path / "docs", [], "2026-12-09")
+
+
+@pytest.mark.parametrize("case", ["bundled", "servers_fell_back", "machine", "bundle_failed"])
+def test_the_page_says_which_triton_compiled_the_kernels_and_the_servers(tmp_path, case):
+    """The env step prints the machine's Triton (3.6); where the carried one (3.8, a user's) passed its step,
+    every later step imports it, and the page must say so rather than let the device line's version stand."""
+    triton_step = {"bundled": "step triton 120 true", "servers_fell_back": "step triton 120 true",
+                   "machine": "", "bundle_failed": "step triton 120 false"}[case]
+    lines = [STEPS.split("echo \"== SGLang")[0], triton_step]
+    if case in ("bundled", "servers_fell_back"):   # the script's own notes, as device_check.sh writes them
+        lines.append("echo \"== the steps below import triton 3.8.0 from the bundle\" | tee -a \"$RES/summary.txt\"")
+    if case == "servers_fell_back":
+        lines.append("echo \"== the servers run on the machine's triton: torch's compiler (inductor)\" "
+                     "\"failed with the bundle's in the triton step\" | tee -a \"$RES/summary.txt\"")
+    # (the phrases as device_check.sh prints them, so that a change there fails here)
+    assert 'echo "== the steps below import triton $("$PY" -c \'import triton; print(triton.__version__)\' 2>&1) ' \
+           'from the bundle"' in SCRIPT
+    assert '"== the servers run on the machine\'s triton: torch\'s compiler (inductor)" \\\n' \
+           '        "failed with the bundle\'s in the triton step"' in SCRIPT
+    out = _device_run(tmp_path, "\n".join(lines))
+    page = record.record([out], tmp_path / "docs", [], "2026-12-09").read_text()
+    compiler = next(ln for ln in page.splitlines() if ln.startswith("Compiler: "))
+    if case == "bundled":
+        assert compiler.startswith("Compiler: Triton 3.8.0, carried") and "the servers included" in compiler
+    elif case == "servers_fell_back":
+        assert "Triton 3.8.0, carried" in compiler and "**the servers on the machine's Triton**" in compiler
+        assert "failed with the bundle's" in compiler
+    else:
+        assert compiler.startswith("Compiler: the machine's Triton (the device line's) for every step")
+        assert ("the carried Triton's step: **failed** (rc 1)" in compiler) == (case == "bundle_failed")

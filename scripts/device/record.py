@@ -97,6 +97,20 @@ def device_line(env_log: str | None, summary: Summary) -> str:
     return "; ".join(gpus) + f"; python, torch, CUDA, triton, transformers: {lines[-1]}"
 
 
+def compiler_line(summary: Summary) -> str:
+    """Which Triton compiled the run's kernels: the carried one (a user's) for the steps after the triton step,
+    the servers excepted where torch's compiler failed with it, or the machine's (the device line's)."""
+    bundled = next((m[1] for n in summary.notes
+                    if (m := re.match(r"the steps below import triton (\S+) from the bundle", n))), None)
+    triton = next((s for s in summary.steps if s.name == "triton"), None)
+    if bundled is None:
+        why = "" if triton is None else f"; the carried Triton's step: {_status(triton)}, see its log"
+        return f"the machine's Triton (the device line's) for every step{why}"
+    servers = next((n for n in summary.notes if n.startswith("the servers run on the machine's triton")), None)
+    return (f"Triton {bundled}, carried (the one a user's SGLang installs), for every step after the triton step"
+            + (f"; **the servers on the machine's Triton** ({servers})" if servers else ", the servers included"))
+
+
 def _status(step: Step) -> str:
     if step.skipped is not None:
         return f"skipped ({step.skipped})"
@@ -201,6 +215,8 @@ def record(folders: list[Path], out: Path, commands: list[str], date: str) -> Pa
     names = [f"run{i + 1}" for i in range(len(folders))]
     page = [f"# GPU results ({date})", "",
             f"Device: {device_line(logs[0].get('env.log'), summaries[0])}.", "",
+            *[f"Compiler{f' ({n})' if len(folders) > 1 else ''}: {compiler_line(sm)}." for n, sm in
+              zip([f"run{i + 1}" for i in range(len(folders))], summaries)], "",
             "Written by `python3 scripts/device/record.py " + " ".join(str(f) for f in folders) + "` from the "
             "files the device tool brought back; each run's reports are copied to `docs/gpu/runN/`. "
             "What the steps do and how the goals are judged: [GPU.md](GPU.md).", ""]

@@ -317,16 +317,21 @@ def _setup_note(r: dict) -> str:
 
 def write_report(results: list[dict], args, cpu: bool) -> None:
     import torch
+    import triton
 
     device = "CPU (dry run)" if cpu else torch.cuda.get_device_name(0)
     date = datetime.datetime.now().isoformat(timespec="seconds")
     cmd = "python " + " ".join([str(Path(sys.argv[0]))] + sys.argv[1:])
     (args.out / f"serve_bench{args.tag}.json").write_text(json.dumps(
-        {"date": date, "device": device, "command": cmd, "torch": torch.__version__, "results": results}, indent=1))
+        {"date": date, "device": device, "command": cmd, "torch": torch.__version__, "triton": triton.__version__,
+         "triton_file": triton.__file__, "results": results}, indent=1))
     budget = f"{args.kv_budget_gib:g} GiB fixed KV budget" if args.kv_budget_gib > 0 else \
         f"SGLang's memory profile at --mem-fraction-static {args.mem_fraction_static}"
     lines = [f"# Real SGLang servers, BF16 vs oscar-int2 ({device}, {date})", "",
              f"Command: `{cmd}`", "",
+             f"Triton {triton.__version__} (`{Path(triton.__file__).parent}`), torch {torch.__version__}: the servers"
+             " are started with this process's environment, so their kernels, SGLang's and ours, are compiled by it.",
+             "",
              f"Model: `{args.model.name}`{' (dummy weights)' if args.dummy else ''}"
              f"{f', --tp-size {args.tp}' if args.tp > 1 else ''}; {budget}; output "
              f"{args.output_len} tokens, ignore_eos; `sglang.bench_serving --dataset-name random` over the "
