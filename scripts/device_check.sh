@@ -224,6 +224,12 @@ kernel_test_paths() {  # what the kernel_tests step runs, one per line; the CUDA
     [ "$HAVE_SGLANG" = 1 ] && echo "$ROOT/tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode"
     return 0
 }
+serve_seconds() {  # the servers step's seconds from what is left of DEVICE_LIMIT_S and what later steps keep:
+    local left=$1 reserve=$2 floor   # what is left less the reserve, but at least 150 s (or all that is left);
+    floor=$(( left < 150 ? left : 150 ))   # no other cap: a servers-only call gives them everything (until
+    local s=$(( left - reserve ))          # 2026-12-05 a 420 s cap took ~60 s from INT2's 32k wave there)
+    echo $(( s < floor ? floor : s ))
+}
 servers_env() {  # env(1) and its arguments, one per line, for the server steps: the bundle's Triton off the path
     echo env      # where torch's compiler failed with it in the triton step (OSCAR_TRITON_INDUCTOR=0), else as is
     [ "${OSCAR_TRITON_INDUCTOR:-1}" = 0 ] && [ -n "${OSCAR_TRITON_DIR:-}" ] || return 0
@@ -252,7 +258,7 @@ step kernel_tests $([ "$GPU" = 1 ] && echo 150 || echo 900) "${INTERP[@]}" "$PY"
 # The model folder: dummy weights of the run's geometry and its Hadamard rotations (servers, calibration).
 if [ "$GPU" = 1 ]; then
     # The servers get what is left of DEVICE_LIMIT_S (the device tool's timeout_s, less a margin), less what the
-    # kernel benchmark after them needs: 150-420 s in a whole run, never more than is left in a short rerun.
+    # kernel benchmark after them needs (serve_seconds): at least 150 s in a whole run, never more than is left.
     # 32k input only: every goal is stated at 32k, and in the first H200 run (2026-12-04) the servers' 226 s
     # did not reach past 32k (each bench_serving call costs ~15 s before its first request).
     reserve=0; wanted bench_kernels && reserve=$(( ${BENCH_BUDGET_S:-80} + 90 ))
@@ -270,9 +276,7 @@ fi
 if [ "$HAVE_SGLANG" = 1 ] && [ "$HAVE_MODELS" = 1 ]; then
     probe_prefill $([ "$GPU" = 1 ] && echo 60 || echo 300)
     if [ "$GPU" = 1 ]; then
-        left=$(( DEVICE_LIMIT_S - (SECONDS - T0) - 30 ))
-        serve_s=$(( left - reserve )); floor=$(( left < 150 ? left : 150 ))
-        serve_s=$(( serve_s < floor ? floor : (serve_s > 420 ? 420 : serve_s) ))
+        serve_s=$(serve_seconds $(( DEVICE_LIMIT_S - (SECONDS - T0) - 30 )) "$reserve")
     else
         serve_s=400
     fi

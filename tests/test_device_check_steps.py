@@ -77,3 +77,15 @@ def test_servers_leave_the_bundled_triton_only_where_torch_s_compiler_failed_wit
         assert r.stdout.strip() == "/tmp/oscar-device-site:/tmp/pkg|unset"
     else:  # it works, or no GPU tried it: as the triton step left it
         assert r.stdout.strip() == "/tmp/oscar-device-site:/tmp/oscar-triton:/tmp/pkg|/cuda/bin/ptxas"
+
+
+@pytest.mark.parametrize("left, reserve, seconds", [
+    (310, 170, 150),   # a whole run: the kernel benchmark's reserve kept, but never under 150 s
+    (400, 170, 230),
+    (480, 0, 480),     # the servers-only call: all of what is left (a 420 s cap took ~60 s from INT2's wave)
+    (100, 0, 100),     # a short rerun: never more than is left
+    (100, 170, 100),
+])
+def test_the_servers_get_what_is_left_less_what_the_kernel_benchmark_keeps(left, reserve, seconds):
+    out = _bash(shell_function("device_check.sh", "serve_seconds"), f"serve_seconds {left} {reserve}")
+    assert out == [str(seconds)]
