@@ -185,7 +185,8 @@ if [ -d "$BUNDLE/wheels" ] && wanted install && step install 240 env PYTHON="$PY
     source "$ROOT/scripts/device/server_env.sh" "$SITE"
     HAVE_SGLANG=1
 else
-    why="no bundle at $BUNDLE"; [ -d "$BUNDLE/wheels" ] && why="the install step failed"; wanted install || why="ONLY=$ONLY"
+    why="no bundle at $BUNDLE"; [ -f "$BUNDLE/bundle.tar.xz" ] && why="the unpack step failed"
+    [ -d "$BUNDLE/wheels" ] && why="the install step failed"; wanted install || why="ONLY=$ONLY"
     echo "== SGLang not installed ($why): server steps skipped; kernels from an import root of this checkout" \
         | tee -a "$RES/summary.txt"
     PKG="$WORK/pkg"
