@@ -68,7 +68,7 @@ rm -rf "$out"
 # The install's folder: a whole run starts without one, as on a fresh device machine; a rerun row (ONLY=...)
 # finds the one the run before it filled, as on the warm machine (install_bundle.sh reuses it if its stamp fits).
 device_site=$work/device-site
-[ -n "${ONLY:-}" ] || rm -rf "$device_site"
+[ -n "${ONLY:-}" ] || rm -rf "$device_site" "$work/bundle" "$triton_dir" "$triton_dir.env"   # (and the unpacked bundles)
 rc=0
 OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} INTERPRETER_PYTHONPATH=$interp DEVICE_SITE=$device_site \
   BUNDLE=$bundle BUNDLE_DIR=$work/bundle TRITON_BUNDLE=$triton_bundle TRITON_DIR=$triton_dir \
