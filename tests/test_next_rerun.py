@@ -138,12 +138,25 @@ def test_failures_of_our_code_are_fixed_here_not_rerun(tmp_path):
     assert command == "give_back" and why.startswith("failed by itself: kernel_tests, servers (fix here")
 
 
-def test_a_rerun_s_own_summary_asks_for_nothing_it_skipped(tmp_path):
-    res = _run(tmp_path, {"kernel_tests": "true", "servers": "true", "bench_kernels": "true"},
-               only="install models prefill_probe servers", bf16=None,
-               int2=_int2((32768, 26, 800.0, 12.0, 9e4)))
+def test_a_servers_only_call_is_followed_by_the_plan_s_kernel_call_and_that_one_by_nothing_it_skipped(tmp_path):
+    """docs/GPU.md's lent session: step 1 serves only (goals 3-4), step 2 the fold's native tests and the kernel
+    benchmark (goals 1-2); after step 2, whose summary skips the servers, nothing is asked for again."""
+    res = _run(tmp_path / "1", {"kernel_tests": "true", "servers": "true", "bench_kernels": "true"},
+               only="install models prefill_probe servers", bf16=BF16,
+               int2=_int2((32768, 1, 65.0, 6.5, 1600.0), (32768, 26, 800.0, 12.0, 9e4)))
     text = (res / "summary.txt").read_text()
     assert "== bench_kernels: skipped" in text and "== kernel_tests: skipped" in text
+    command, why = next_rerun.advise(res)
+    assert command == next_rerun.BENCH_CALL and "goals 1-2 are not measured" in why
+    for test_id in next_rerun.FOLD_TESTS.split():   # each names a test that exists
+        path, _, name = test_id.partition("::")
+        assert (ROOT / "tests" / path).is_file() and (not name or f"def {name}(" in (ROOT / "tests" / path).read_text())
+    gpu_md = " ".join((ROOT / "docs" / "GPU.md").read_text().split())
+    assert " ".join(next_rerun.FOLD_TESTS.split()) in gpu_md.replace('\\"', '"')   # the plan's step 2 runs the same
+
+    res = _run(tmp_path / "2", {"kernel_tests": "true", "servers": "true", "bench_kernels": "true"},
+               only="install kernel_tests bench_kernels", kernels=KERNELS)
+    assert "== servers: skipped" in (res / "summary.txt").read_text()
     assert next_rerun.advise(res)[0] == "give_back"
 
 

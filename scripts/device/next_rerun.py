@@ -13,10 +13,12 @@ The first rule that applies (one rerun only):
    cut while running or never started: ``ONLY=bench_kernels`` (no server start, the likeliest to succeed);
 2. INT2's 32k wave is missing and the wave alone fits a servers rerun (``goals.wave_rerun``'s estimate from the
    first run's own start and TTFT): that wave alone, with the first run's knobs;
-3. the kernel tests timed out or were cut (compiling): ``ONLY=kernel_tests``;
-4. the batch-1 ITL or decode-rate goal was missed and the benchmark's decode tile sweep found a tile at least
+3. a servers-only call (docs/GPU.md's step 1 of a lent session) left goals 1-2 unmeasured: the plan's step 2,
+   the fold's native tests and the kernel benchmark (:data:`BENCH_CALL`);
+4. the kernel tests timed out or were cut (compiling): ``ONLY=kernel_tests``;
+5. the batch-1 ITL or decode-rate goal was missed and the benchmark's decode tile sweep found a tile at least
    ``TILE_GAIN`` x the default's speed: the INT2 server at 32k with that tile;
-5. otherwise ``give_back``: every step passed, or nothing left that a rerun could add fits.
+6. otherwise ``give_back``: every step passed, or nothing left that a rerun could add fits.
 
 A step that ended by itself with an error (not by a time limit; for the servers step, anything but a run cut
 by its own time) is a failure to fix here from its log: no rule reruns it, and "why" names it with any advice.
@@ -36,6 +38,13 @@ import record  # noqa: E402
 
 TILE_GAIN = 1.15   # a decode tile must be this much faster over the sweep to be worth the rerun
 LIMIT = f"DEVICE_LIMIT_S={goals.RERUN_LIMIT_S}"
+# The kernel tests that prove the fold's inline PTX and the read kernel natively, and what the call after a
+# servers-only one runs (docs/GPU.md, "The next lent session", step 2, quotes it).
+FOLD_TESTS = ("test_int2_codes_ptx.py test_kernels_read.py "
+              "test_kernels_decode.py::test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference "
+              "test_kernels_decode.py::test_decode_fold_is_ignored_where_it_does_not_apply test_decode_autotune.py")
+BENCH_CALL = (f'ONLY="kernel_tests bench_kernels" BENCH_BUDGET_S=70 KERNEL_TEST_IDS="{FOLD_TESTS}" '
+              "bash scripts/device_check.sh")
 
 
 def _cut(step) -> bool:
@@ -87,6 +96,13 @@ def _rerun(summary, kernels: dict | None, serve: dict | None) -> tuple[str, str]
         if wave["fits"]:
             return wave["command"], wave["text"]
         notes.append(wave["text"])
+
+    servers = steps.get("servers")
+    if (bench is not None and bench.skipped is not None and servers is not None and servers.skipped is None
+            and all(g["verdict"] == "not measured" for g in goals.kernel_goals(kernels))):
+        return (BENCH_CALL, "a servers-only call (the plan's step 1) is done and goals 1-2 are not measured: the "
+                "kernel benchmark under the same Triton, and the fold's inline PTX natively (docs/GPU.md, step 2; "
+                "timeout_s 250 on the warm machine)")
 
     if _cut(steps.get("kernel_tests")):
         return (f"{LIMIT} ONLY=kernel_tests bash scripts/device_check.sh",
