@@ -11,7 +11,6 @@ from the same tarball is kept (a rerun on the warm machine).  Standard library o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sys
@@ -30,7 +29,7 @@ def unpack(bundle: Path, dest: Path) -> dict:
     if found != set(manifest["files"]):
         raise SystemExit(f"{dest}: files {sorted(found ^ set(manifest['files']))[:5]} differ from the manifest's")
     for name, entry in manifest["files"].items():
-        if hashlib.sha256((dest / name).read_bytes()).hexdigest() != entry["sha256"]:
+        if xz_tarball.sha256(dest / name) != entry["sha256"]:
             raise SystemExit(f"{dest / name}: not the file the manifest names (sha256)")
     shutil.copy(bundle / "bundle.json", dest / "bundle.json")
     size = sum(e["bytes"] for e in manifest["files"].values()) / 2**20
