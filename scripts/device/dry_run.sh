@@ -11,10 +11,12 @@
 #    two steps that run Triton's interpreter here (INTERPRETER_PYTHONPATH): triton 3.6's interpreter fails on
 #    numpy >= 2.4 (the device's is 2.5), which the GPU never meets, since it runs compiled kernels.
 # 2. scripts/device_check.sh with that Python, exactly as on the device, with both bundles (built if missing):
-#    Triton 3.8 unpacked and imported by every step, the SGLang bundle unpacked and installed into a fresh folder, `import sglang` and the plugins checked, the kernel tests (under
-#    Triton's interpreter here), the BF16 and oscar-int2 servers on a small dummy model of the GPU run's head
-#    shape benchmarked by sglang.bench_serving (short prompts), the kernel benchmark's CPU smoke.
-# 3. Every kernel compiled for sm_90 by that venv's Triton 3.6 (out/dry_run/compile_check_sm90.txt).
+#    Triton 3.8 unpacked and imported by every step, the SGLang bundle unpacked and installed into a fresh
+#    folder, `import sglang` and the plugins checked, the kernel tests (under Triton's interpreter here), the
+#    BF16 and oscar-int2 servers on a small dummy model of the GPU run's head shape benchmarked by
+#    sglang.bench_serving (short prompts), the kernel benchmark's CPU smoke.
+# 3. Every kernel compiled for sm_90 by the call's Triton, 3.8 (3.6 with TRITON_BUNDLE=none)
+#    (out/dry_run/compile_check_sm90.txt).
 # 4. scripts/device/record.py over the results, as a lent session runs it (out/dry_run/record/gpu_results.md).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
