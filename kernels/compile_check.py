@@ -319,7 +319,9 @@ def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
     dots, which is the loop's work), that is what one iteration over a block without hot rows issues per warp;
     ``ops``: that path's opcodes (first word), most frequent first; ``shared_wavefronts``: that path's
     shared-memory traffic in 128-byte wavefronts (:func:`shared_wavefronts`), for the balance of a block's
-    issue, shared memory and HBM cycles (docs/KERNELS.md).
+    issue, shared memory and HBM cycles (docs/KERNELS.md); ``loops``: every loop of the kernel, nested ones
+    included, as ``[first address, last address, instructions]`` in address order (the folded decode: its
+    cold loop, its loop over blocks with a hot row, and inside that the loop over a block's ``HOT_ROWS`` parts).
     """
     import collections
     import re
@@ -342,7 +344,8 @@ def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
     outer = [a for a in loops if not any(b != a and b[0] <= a[0] and a[1] <= b[1] for b in loops)]
     loop = min(outer) if outer else None
     if loop is None:
-        return {"loop": 0, "common_path": 0, "ops": {}, "shared_wavefronts": 0}
+        return {"loop": 0, "common_path": 0, "ops": {}, "shared_wavefronts": 0, "loops": []}
+    every = [[lo, hi, sum(1 for a, _, _ in sass if lo <= a <= hi)] for lo, hi in sorted(set(loops))]
     body = [(a, op) for a, op, _ in sass if loop[0] <= a <= loop[1]]
     skips = [(lo, hi) for lo, hi in skips if loop[0] <= lo and hi <= loop[1]]
 
@@ -355,7 +358,7 @@ def loop_counts(cubin: bytes, skipped_min: int = 64) -> dict:
     path = [op for a, op in body if not any(lo <= a < hi for lo, hi in skips)]
     ops = collections.Counter(op.split(".")[0] for op in path)
     return {"loop": len(body), "common_path": len(path), "ops": dict(ops.most_common()),
-            "shared_wavefronts": sum(shared_wavefronts(op) for op in path)}
+            "shared_wavefronts": sum(shared_wavefronts(op) for op in path), "loops": every}
 
 
 def shared_wavefronts(op: str) -> int:
@@ -387,7 +390,8 @@ def print_loop_counts(pattern: str, arch: int = 90) -> list[dict]:
         rows.append(row)
         print(f"{label} ({fn.__name__}): loop {row['loop']} instructions, common path {row['common_path']}, "
               f"shared-memory wavefronts {row['shared_wavefronts']}, "
-              f"reg {row.get('reg')} stack {row.get('stack')} shared {row['shared']}\n    "
+              f"reg {row.get('reg')} stack {row.get('stack')} shared {row['shared']}; every loop "
+              + ", ".join(f"{n} ({lo:#x}-{hi:#x})" for lo, hi, n in row["loops"]) + "\n    "
               + ", ".join(f"{k} {v}" for k, v in list(row["ops"].items())[:16]), flush=True)
     return rows
 

@@ -62,6 +62,11 @@ def test_loop_counts_read_the_decode_loops_sass():
     # folded loop attends every block's cold rows without a branch around them (3.8: its one branch is the loop's
     # own, back; 3.6 adds one over a single instruction), the hot rows in the loop after it
     assert 0 < default["common_path"] < default["loop"], default
+    # every loop listed, the main one first; the folded loop's blocks with a hot row are attended in a loop after
+    # it, their HOT_ROWS parts in a loop inside that one (what a hot block costs: docs/KERNELS.md)
+    cold, hot_blocks, parts = fold["loops"][:3]
+    assert cold[2] == fold["loop"] and cold[1] < hot_blocks[0], fold["loops"]
+    assert hot_blocks[0] <= parts[0] and parts[1] <= hot_blocks[1] and parts[2] < hot_blocks[2], fold["loops"]
     own = rows["decode variant d=128 int2 gqa=4 hot_loop=True"]
     for x in (fold, own):
         assert 0 < x["common_path"] == x["loop"], x
