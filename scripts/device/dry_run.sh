@@ -80,7 +80,8 @@ OUT=$out PYTHON=$py OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} INTERPRETER_PYTHONPATH
 #    runs compiled kernels, which the interpreter above does not exercise (kernels/compile_check.py; ~1 min).
 site=$work/site
 rm -rf "$site"
-PYTHON=$py bash scripts/device/install_bundle.sh "$bundle" "$site" > "$out/compile_check_install.log" 2>&1
+# (from the folder device_check.sh's unpack step filled, not unpacked a second time)
+PYTHON=$py bash scripts/device/install_bundle.sh "$work/bundle" "$site" > "$out/compile_check_install.log" 2>&1
 env_file=/dev/null
 [ "$triton_bundle" != none ] && env_file=$triton_dir.env   # written by the triton step where its checks passed
 if ! (cd / && source "$env_file" && PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} \

@@ -215,8 +215,8 @@ def record(folders: list[Path], out: Path, commands: list[str], date: str) -> Pa
     names = [f"run{i + 1}" for i in range(len(folders))]
     page = [f"# GPU results ({date})", "",
             f"Device: {device_line(logs[0].get('env.log'), summaries[0])}.", "",
-            *[f"Compiler{f' ({n})' if len(folders) > 1 else ''}: {compiler_line(sm)}." for n, sm in
-              zip([f"run{i + 1}" for i in range(len(folders))], summaries)], "",
+            *[f"Compiler{f' ({n})' if len(folders) > 1 else ''}: {compiler_line(sm)}."
+              for n, sm in zip(names, summaries)], "",
             "Written by `python3 scripts/device/record.py " + " ".join(str(f) for f in folders) + "` from the "
             "files the device tool brought back; each run's reports are copied to `docs/gpu/runN/`. "
             "What the steps do and how the goals are judged: [GPU.md](GPU.md).", ""]
