@@ -27,10 +27,13 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
 # tiles of the extend kernel beside its default (block_rows 64, block_n 32, 8 warps, 2 stages) that
 # scripts/bench_extend.py times on the GPU
 EXTEND_SWEEP = ({"block_rows": 128}, {"block_n": 64}, {"block_rows": 128, "block_n": 64}, {"num_warps": 4})
+# the artifacts' default sink and recent windows, which a server passes to every decode (``hot_windows``: the
+# splits cut by work; "as run 1" below cuts them evenly, as it did)
+WINDOWS = (64, 256)
 # the decode loop's variants that scripts/device/decode_variants.py times (the first H200 run: latency-bound)
 # (the default since then: block_n 64, prefetch 1, hot_skip; these are the others; "whole waves" compiles as
 # the loop it sizes)
-DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False}, {"hot_loop": True}, {"dots": "bf16"},
+DECODE_VARIANTS = ({"block_n": 32, "prefetch": 0, "hot_skip": False, "hot_weight": 0}, {"hot_loop": True}, {"dots": "bf16"},
                    {"fold": True},
                    {"fold": True, "num_warps": 2}, {"fold": True, "num_warps": 2, "max_registers": 128},
                    {"fold": True, "num_warps": 2, "unpack_first": True})
@@ -150,7 +153,7 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                 add(f"decode {tag}{' q-rot in kernel' if in_kernel else ''}", dec, "_decode_split_kernel",
                     lambda: dec.decode_attention(q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,
                                                  paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
-                                                 rotate_q_in_kernel=in_kernel))
+                                                 rotate_q_in_kernel=in_kernel, hot_windows=WINDOWS))
             if kf.bits == 2 and same and g == d:  # the decode loop's variants (decode_variants.py) at d 128;
                 fold2 = {"fold": True, "num_warps": 2}  # at d 64 (SmolLM2) the 2-warp folded loop
                 variants = ((*DECODE_VARIANTS, {**fold2, "rotate_q_in_kernel": True}) if d == 128 else
@@ -161,7 +164,7 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                         "_decode_split_kernel",
                         lambda opts=opts, in_kernel=in_kernel: dec.decode_attention(
                             q.bfloat16() if in_kernel else q, store, rot, paged.req_to_token,
-                            paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4,
+                            paged.req_pool_indices, paged.seq_lens, 0.1, num_splits=4, hot_windows=WINDOWS,
                             **{"rotate_q_in_kernel": False, **opts}))
             if d == 128 and tag.startswith("d=128 int2 "):  # the folded loop over symmetric rows (calibration's
                 sym = fmt.RowFormat(2, symmetric=True)  # choice where the policy offers them): biased value codes
@@ -170,7 +173,7 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                     "_decode_split_kernel",
                     lambda: dec.decode_attention(q, store_sym, rot, paged.req_to_token, paged.req_pool_indices,
                                                  paged.seq_lens, 0.1, num_splits=4, rotate_q_in_kernel=False,
-                                                 fold=True, num_warps=2))
+                                                 fold=True, num_warps=2, hot_windows=WINDOWS))
         add(f"read {tag} bf16", rd, "_read_kernel",
             lambda: rd.read_rows(store, torch.tensor([3, 0, 2, 1]), torch.bfloat16))
         qe = torch.randn(4, kv * gqa, d)

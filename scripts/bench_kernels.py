@@ -377,7 +377,8 @@ def served_loop(d: int, store: layout.LayerStore, rot, problems: list[str]):
     ``options_for(batch)`` each case runs with), recorded in :data:`SERVED`; None (the defaults) if that timing
     fails (a problem of the report, not of the benchmark)."""
     try:
-        choice = autotune.choose(store, rot, KV_HEADS * GQA, cases=SERVED_CASES, budget_s=SERVED_BUDGET_S)
+        choice = autotune.choose(store, rot, KV_HEADS * GQA, cases=SERVED_CASES, budget_s=SERVED_BUDGET_S,
+                                 windows=(SINK, RECENT))
     except Exception as e:  # noqa: BLE001
         problems.append(f"d={d}: the startup timing of the decode loop failed: {type(e).__name__}: {str(e)[:200]}")
         return None
@@ -411,23 +412,26 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
     where = f"d={d} batch={batch} ctx={ctx}"
 
     row["int2_loop"] = autotune.knob_value(served) or "default"
+    cut = {"hot_windows": (SINK, RECENT)}  # the hot rows' windows, as a server passes them: splits cut by work
     grid: dict = {}  # the served loop's split count and where it rotates the queries, as the launch chose them
-    decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, report=grid, **served)
+    decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, report=grid, **served, **cut)
     row["splits"] = grid["splits"]
     in_kernel = grid["rotate_q_in_kernel"]
 
     def int2(other_q_rot=False):  # the served loop; with other_q_rot, the queries rotated where it does not
-        return decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **served,
+        return decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx, **served, **cut,
                                           **({"rotate_q_in_kernel": not in_kernel} if other_q_rot else {}))
 
     row["int2_ms"] = timed(int2)
     if served:
-        row["int2_default_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx))
+        row["int2_default_ms"] = timed(lambda: decode_tk.decode_attention(q, st, rot, *targs, max_seq_len=ctx,
+                                                                          **cut))
     # where the queries are rotated: the automatic choice (timed above) against the other one
     row["q_rot"] = "kernel" if in_kernel else "launch"
     row["int2_other_q_rot_ms"] = timed(lambda: int2(other_q_rot=True))
     st4 = with_keys(st, k4)  # the same tokens, hot rows and values; INT4 keys
-    row["int4k_ms"] = timed(lambda: decode_tk.decode_attention(q, st4, rot, *targs, max_seq_len=ctx, **served))
+    row["int4k_ms"] = timed(lambda: decode_tk.decode_attention(q, st4, rot, *targs, max_seq_len=ctx, **served,
+                                                               **cut))
 
     def tbf16():
         return bf16_baseline.decode_attention_bf16(q, kb, vb, *targs, max_seq_len=ctx)

@@ -26,14 +26,21 @@ def _like(k_format=None, v_format=None):
         scenario.random_rotation(KV, D, device=DEVICE)
 
 
+class _Calls(list):
+    windows: list
+
+
 @pytest.fixture
 def calls(monkeypatch):
-    """The options of every decode the tuner runs (the real kernel still runs)."""
-    seen = []
+    """The options of every decode the tuner runs (the real kernel still runs); ``.windows``: the ``hot_windows``
+    each was given."""
+    seen = _Calls()
+    seen.windows = []
     real = autotune.triton_kernel.decode_attention
 
     def spy(*args, **kwargs):
-        seen.append({k: v for k, v in kwargs.items() if k not in ("max_seq_len", "report")})
+        seen.append({k: v for k, v in kwargs.items() if k not in ("max_seq_len", "report", "hot_windows")})
+        seen.windows.append(kwargs.get("hot_windows"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(autotune.triton_kernel, "decode_attention", spy)
@@ -72,6 +79,8 @@ def test_keeps_per_case_the_fastest_candidate_that_agrees_with_the_default(calls
     # each candidate decoded every case twice (the agreement check, then the timing), the default first
     assert [autotune.knob_value(c) for c in calls[:4]] == ["block_n=16"] * 4
     assert len(calls) == 2 * len(CASES) * len(CANDIDATES)
+    # every decode given the served windows (the default ones here), as the server decodes: splits cut by work
+    assert calls.windows == [(autotune.SINK, autotune.RECENT)] * len(calls)
 
 
 def test_each_batch_gets_the_pick_of_the_nearest_case(calls):
@@ -134,7 +143,7 @@ def test_real_timer_and_formats_of_the_served_layer():
     """The wall-clock timer on this device, over a layer of INT4 keys and grouped INT2 values (where the folded
     loop does not apply, so it is the default's loop again, within the margin of it or not)."""
     like, rot = _like(RowFormat(4), RowFormat(2, 32))
-    choice = autotune.choose(like, rot, QH, cases=CASES[:1], candidates=CANDIDATES[:2])
+    choice = autotune.choose(like, rot, QH, cases=CASES[:1], candidates=CANDIDATES[:2], windows=(4, 16))
     assert all(t > 0 for ms in choice.ms.values() for t in ms) and set(choice.ms) == {"default", "fold"}
     assert choice.seconds > 0 and choice.device.startswith(torch.device(DEVICE).type)
     store = autotune.synthetic_store(like, 32, 4, seed=0)

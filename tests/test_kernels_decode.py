@@ -17,7 +17,7 @@ from kernel_device import DEVICE
 
 from oscar_sglang import format as fmt
 from oscar_sglang.kernels import api, layout, scenario
-from oscar_sglang.kernels.decode import reference
+from oscar_sglang.kernels.decode import reference, split_cut
 from oscar_sglang.rotation import rotate_queries
 
 KV = 2
@@ -119,6 +119,29 @@ def test_blocks_with_hot_rows_in_their_own_loop_match_the_reference(fold, hot_lo
             assert err < 2**-9 * ref.abs().max().item(), (i, err)
         else:
             assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (i, err)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_splits_cut_by_work_keep_the_result_whatever_the_hint(fold):
+    """``hot_windows`` (splits cut by work, ``split_cut.py``): the store's true windows, a wrong hint (hot rows
+    elsewhere than it says), the heaviest weight (most splits empty or of one block): the same attention as the
+    reference; with the true windows the splits are not the even ones here (the cut did move)."""
+    lens = [200, 130, 5, 64]
+    paged, rot, store = build(lens, 64, None, 16, True, 41 + fold, sink=3, recent=20, formats=FORMATS[0])
+    q = torch.randn(len(lens), KV * 4, 64, generator=torch.Generator().manual_seed(41)).to(DEVICE)
+    args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+    ref = reference.decode_attention(*args, 64**-0.5)
+    assert split_cut.split_bounds(200, 5, 16, (3, 20), split_cut.HOT_WEIGHT_FOLD) != split_cut.split_bounds(200, 5, 16)
+    for hint, weight in (((3, 20), None), ((100, 0), None), ((3, 20), split_cut.MAX_HOT_WEIGHT)):
+        out = api.decode_attention(*args, backend="triton", num_splits=5, block_n=16, fold=fold,
+                                   hot_windows=hint, hot_weight=weight)
+        err = (out - ref).abs().max().item()
+        if fold:  # fp16 queries and weights
+            assert err < 2**-9 * ref.abs().max().item(), (hint, err)
+        else:
+            assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (hint, err)
+    with pytest.raises(ValueError, match="hot_weight"):
+        api.decode_attention(*args, backend="triton", hot_windows=(3, 20), hot_weight=2)
 
 
 @pytest.mark.parametrize("fold", [False, True])

@@ -86,6 +86,9 @@ def test_decode_kernel_knob():
     # the split count for one whole wave of this many resident programs (decode_variants' "Grids" table)
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "resident=6"}) == {"resident": 6}
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "hot_loop=1"}) == {"hot_loop": True}
+    # the splits cut evenly (0) or by work with a window's block weighing this many quarters of a cold block
+    assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "hot_weight=0"}) == {"hot_weight": 0}
+    assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "fold=1,hot_weight=24"}) == {"fold": True, "hot_weight": 24}
     assert st.decode_kernel_options({st.ENV_DECODE_KERNEL: "fold=1,num_warps=2,unpack_first=1"}) == \
         {"fold": True, "num_warps": 2, "unpack_first": True}
     # unset or "auto": the loop timed at a CUDA server's startup (kernels/decode/autotune.py); "default": not
@@ -93,7 +96,7 @@ def test_decode_kernel_knob():
                                   ("fold=1", {"fold": True}, False)):
         env = {} if value is None else {st.ENV_DECODE_KERNEL: value}
         assert (st.decode_kernel_options(env), st.decode_kernel_autotuned(env)) == (options, timed)
-    keys = "block_n, num_warps, num_stages, max_registers, resident, dots, prefetch, hot_skip, fold, hot_loop, " \
+    keys = "block_n, num_warps, num_stages, max_registers, resident, hot_weight, dots, prefetch, hot_skip, fold, hot_loop, " \
         "unpack_first; " \
         "or auto, or default$"
     for bad, match in (("block_rows=64", "KEY=VALUE, each key once, of " + keys), ("sdpa", "of " + keys),
@@ -104,7 +107,8 @@ def test_decode_kernel_knob():
                        ("block_n=48", "power of two >= 16"), ("num_warps=3", "power of two"),
                        ("max_registers=8", "within 16..255"), ("max_registers=256", "within 16..255"),
                        ("max_registers=-1", "within 16..255"), ("resident=0", "within 1..64"),
-                       ("resident=65", "within 1..64")):
+                       ("resident=65", "within 1..64"), ("hot_weight=2", r"within 0..64 \(0, or 4 and more\)"),
+                       ("hot_weight=65", "within 0..64")):
         with pytest.raises(st.OscarConfigError, match=match):
             st.decode_kernel_options({st.ENV_DECODE_KERNEL: bad})
 
@@ -127,6 +131,7 @@ def test_kernel_knob_keys_are_the_kernels_own():
     assert all(isinstance(params[key].default, int) for key in st.DECODE_INT_KEYS if key not in st._INT_RANGES)
     assert params["max_registers"].default is None  # unset: the compiler's own choice
     assert params["resident"].default is None  # unset: the fixed 8 warps per multiprocessor
+    assert params["hot_weight"].default is None  # unset: the loop's own weight (split_cut.py)
     assert all(key in params for key in st._INT_RANGES)
     assert st.DECODE_CHOICES["dots"] == decode_kernel.DOT_CHOICES
     assert {key: type(params[key].default) for key in ("prefetch", "hot_skip", "fold", "hot_loop", "unpack_first")} == \

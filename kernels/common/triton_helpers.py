@@ -410,22 +410,63 @@ def folded_sums(lt, zt, wt, o0, o1, o2, o3, V_BITS: tl.constexpr, V_SYM: tl.cons
 
 
 @triton.jit
-def program_split(seq_lens, req_pool_indices, NUM_SPLITS, BLOCK_N: tl.constexpr):
+def _weight_before(b, hs, r0, HOT_WEIGHT: tl.constexpr):
+    """The weight of a request's blocks ``[0, b)``: 4 per block, ``HOT_WEIGHT`` for those of the windows."""
+    return 4 * b + (HOT_WEIGHT - 4) * (tl.minimum(b, hs) + tl.maximum(b - r0, 0))
+
+
+@triton.jit
+def weighted_boundary(sp, NUM_SPLITS, nb, hs, r0, HOT_WEIGHT: tl.constexpr):
+    """The first block of split ``sp`` of the cut weighted by work (``kernels/decode/split_cut._boundary``, its
+    reference): the block boundary whose weight before it is nearest ``sp / NUM_SPLITS`` of the request's, the
+    weight piecewise linear in the boundary (slopes ``HOT_WEIGHT``, 4, ``HOT_WEIGHT`` over the sink's blocks
+    ``[0, hs)``, the cold ones, the recent window's ``[r0, nb)``), so inverted piece by piece; int64 scalars."""
+    target = sp * _weight_before(nb, hs, r0, HOT_WEIGHT)
+    b = tl.cdiv(target, NUM_SPLITS * HOT_WEIGHT)
+    if b > hs:
+        b = tl.cdiv(target - NUM_SPLITS * (HOT_WEIGHT - 4) * hs, NUM_SPLITS * 4)
+        if b > r0:
+            b = tl.cdiv(target + NUM_SPLITS * (HOT_WEIGHT - 4) * (r0 - hs), NUM_SPLITS * HOT_WEIGHT)
+    if b > 0:
+        if target - NUM_SPLITS * _weight_before(b - 1, hs, r0, HOT_WEIGHT) < \
+                NUM_SPLITS * _weight_before(b, hs, r0, HOT_WEIGHT) - target:
+            b = b - 1
+    return b
+
+
+@triton.jit
+def program_split(seq_lens, req_pool_indices, NUM_SPLITS, hot_sink, hot_recent, BLOCK_N: tl.constexpr,
+                  HOT_WEIGHT: tl.constexpr):
     """A split-K decode program's request ``b``, KV head ``kvh``, split ``sp`` (grid ``(batch, kv_heads,
-    splits)``), the request's pool row ``req`` (int64) and its tokens ``[start, end)``: the request's
-    tokens cut into ``NUM_SPLITS`` runs of whole ``BLOCK_N`` blocks.  The last splits may be empty; they start
-    at the request's end, so that a loop from ``start`` or up to it (the hot blocks' loop runs from the first
-    hot block to the last, ``start - BLOCK_N`` when there is none) has nothing to do there: until 2026-12-05
-    they started past it, and an empty split's hot loop stepped through every block between the request's
-    end and its own start (at batch 1, 32k, whole waves of 99 splits: 13 empty ones, the last ~76 blocks)."""
+    splits)``), the request's pool row ``req`` (int64) and its tokens ``[start, end)``, runs of whole ``BLOCK_N``
+    blocks (reference: ``kernels/decode/split_cut.split_bounds``).  ``HOT_WEIGHT`` 0: the even cut,
+    ``ceil(seq_len / NUM_SPLITS)`` tokens rounded up to whole blocks; else cut by work, a block of the request's
+    first ``hot_sink`` or last ``hot_recent`` tokens (where its hot rows are, a hint) weighing ``HOT_WEIGHT``
+    quarters of a cold block (:func:`weighted_boundary`).  The last splits may be empty; they start at the
+    request's end, so that a loop from ``start`` or up to it (the hot blocks' loop runs from the first hot block
+    to the last, ``start - BLOCK_N`` when there is none) has nothing to do there: until 2026-12-05 they started
+    past it, and an empty split's hot loop stepped through every block between the request's end and its own
+    start (at batch 1, 32k, whole waves of 99 splits: 13 empty ones, the last ~76 blocks)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
     req = tl.load(req_pool_indices + b).to(tl.int64)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = tl.minimum(sp * per_split, seq_len)
-    end = tl.minimum(start + per_split, seq_len)
+    if HOT_WEIGHT == 0:
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = tl.minimum(sp * per_split, seq_len)
+        end = tl.minimum(start + per_split, seq_len)
+    else:
+        n = seq_len.to(tl.int64)
+        zero = n * 0  # int64 scalars (an int argument of 1 reaches a kernel as a constant, not a tensor)
+        nb = tl.cdiv(n, BLOCK_N)
+        hs = tl.minimum(nb, tl.cdiv(zero + hot_sink, BLOCK_N))
+        recent = zero + hot_recent
+        r0 = tl.where(recent > 0, tl.maximum(hs, tl.maximum(n - recent, 0) // BLOCK_N), nb)
+        splits = zero + NUM_SPLITS
+        part = zero + sp
+        start = tl.minimum(weighted_boundary(part, splits, nb, hs, r0, HOT_WEIGHT) * BLOCK_N, n).to(tl.int32)
+        end = tl.minimum(weighted_boundary(part + 1, splits, nb, hs, r0, HOT_WEIGHT) * BLOCK_N, n).to(tl.int32)
     return b, kvh, sp, req, start, end
 
 

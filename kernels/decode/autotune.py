@@ -8,7 +8,8 @@ holds").  No default fits every machine, so a server times its candidates itself
 CUDA graphs (``oscar_sglang/sglang/backend.py``):
 
 * each candidate decodes a synthetic store of the served layer's formats and geometry (random codes and
-  scales, pages in random order, a sink and a recent window hot per request) at :data:`CASES` (one long
+  scales, pages in random order, the served sink and recent windows hot per request, the splits cut by work
+  as the server's) at :data:`CASES` (one long
   request; a batch of shorter ones), after a warm call that compiles it;
 * its output is checked against the default's on the same inputs (the same attention, another loop: at
   most :data:`AGREEMENT` relative to the largest value); one that differs or fails is dropped, with a note;
@@ -135,15 +136,18 @@ def synthetic_store(like: LayerStore, slots: int, hot_entries: int, seed: int) -
 
 def choose(like: LayerStore, rot: DeviceRotation, q_heads: int, *, cases=None, candidates=None,
            budget_s: float = 45.0, timer: Callable[[Callable[[], object], torch.device], float] = timed_ms,
-           q_dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Choice:
+           q_dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+           windows: tuple[int, int] = (SINK, RECENT)) -> Choice:
     """Time ``candidates`` (the first is the reference) on synthetic stores like ``like`` (the served layer's
     formats, KV heads and head size; ``rot`` its rotation) with ``q_heads`` query heads, at ``cases``; return the
     :class:`Choice` (module docstring); ``cases`` and ``candidates`` default to :data:`CASES` and
-    :data:`CANDIDATES`."""
+    :data:`CANDIDATES`.  ``windows``: the served sink and recent windows, hot in every synthetic request and
+    passed to each candidate as its ``hot_windows`` (the splits cut by work, as the server decodes)."""
+    sink, recent = windows
     cases, candidates = tuple(cases or CASES), tuple(candidates or CANDIDATES)
     start = time.monotonic()
     dev = like.k_codes.device
-    hot_per_req = lambda n: min(n, SINK + RECENT)  # noqa: E731
+    hot_per_req = lambda n: min(n, sink + recent)  # noqa: E731
     slots = max(b * (n + PAGE) for b, n in cases) + 8 * PAGE
     store = synthetic_store(like, slots, max(b * hot_per_req(n) for b, n in cases), seed)
     g = torch.Generator(device=dev).manual_seed(seed + 1)
@@ -164,11 +168,12 @@ def choose(like: LayerStore, rot: DeviceRotation, q_heads: int, *, cases=None, c
         try:
             ms, per_case = [], []
             for i, (paged, q, n) in enumerate(runs):
-                scenario.assign_hot(store, paged, SINK, RECENT)
+                scenario.assign_hot(store, paged, sink, recent)
                 args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens,
                         like.head_dim ** -0.5)
                 report: dict = {}
-                out = triton_kernel.decode_attention(*args, max_seq_len=n, report=report, **opts).float()
+                kw = {"max_seq_len": n, "hot_windows": (sink, recent), **opts}
+                out = triton_kernel.decode_attention(*args, report=report, **kw).float()
                 per_case.append(served_options(opts, report.get("resident")))
                 if index == 0:
                     reference.append(out)
@@ -177,7 +182,7 @@ def choose(like: LayerStore, rot: DeviceRotation, q_heads: int, *, cases=None, c
                     err = ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
                     if not err <= AGREEMENT:
                         raise ValueError(f"differs from the default by {err:.1e} at b{q.shape[0]} x {n}")
-                ms.append(timer(lambda: triton_kernel.decode_attention(*args, max_seq_len=n, **opts), dev))
+                ms.append(timer(lambda: triton_kernel.decode_attention(*args, **kw), dev))
             choice.ms[label], served[label] = ms, per_case
         except Exception as e:  # noqa: BLE001  (a candidate that fails is dropped, the server still starts)
             if index == 0:

@@ -17,7 +17,7 @@ def _bf16_split_kernel(q_ptr, k_buf, v_buf, req_to_token, req_pool_indices, seq_
                        stride_qb, stride_qh, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
                        GQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
                        BF16_DOT: tl.constexpr):
-    b, kvh, sp, req, start, end = program_split(seq_lens, req_pool_indices, NUM_SPLITS, BLOCK_N)
+    b, kvh, sp, req, start, end = program_split(seq_lens, req_pool_indices, NUM_SPLITS, 0, 0, BLOCK_N, 0)
     h = tl.arange(0, BLOCK_H)
     hmask = h < GQ
     qh = kvh * GQ + h

@@ -31,6 +31,7 @@ from ..interpret import interpreted
 from ..layout import DeviceRotation, LayerStore, require_contiguous, triton_unsupported
 from ..occupancy import Multiprocessor, compiled_resources, resident_programs
 from .query_rotation import rotated_queries
+from .split_cut import HOT_WEIGHT_DEFAULT, HOT_WEIGHT_FOLD, check_cut
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -48,14 +49,15 @@ DOT_CHOICES = ("tf32", "bf16")
 @triton.jit
 def _decode_split_kernel(q_ptr, q_rot, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, k_hot, v_hot, hot_index,
                          req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-                         stride_qb, stride_qh, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale,
+                         stride_qb, stride_qh, stride_r2t, KV, Q_HEADS, NUM_SPLITS, qk_scale, hot_sink, hot_recent,
                          GQ: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          D: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, V_BITS: tl.constexpr,
                          V_G: tl.constexpr, PREC: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
                          ROTATE_Q: tl.constexpr, HOT_SKIP: tl.constexpr, PREFETCH: tl.constexpr,
                          FOLD: tl.constexpr, PACKED: tl.constexpr, HOT_LOOP: tl.constexpr,
-                         UNPACK_FIRST: tl.constexpr):
-    b, kvh, sp, req, start, end = program_split(seq_lens, req_pool_indices, NUM_SPLITS, BLOCK_N)
+                         UNPACK_FIRST: tl.constexpr, HOT_WEIGHT: tl.constexpr):
+    b, kvh, sp, req, start, end = program_split(seq_lens, req_pool_indices, NUM_SPLITS, hot_sink, hot_recent,
+                                                BLOCK_N, HOT_WEIGHT)
 
     h = tl.arange(0, BLOCK_H)
     hmask = h < GQ
@@ -281,7 +283,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                      rotate_q_in_kernel: bool | None = None, hot_skip: bool = True,
                      prefetch: int = 1, dots: str = DOT_PRECISION, fold: bool = False, hot_loop: bool = False,
                      max_registers: int | None = None, resident: int | None = None, whole_waves: bool = False,
-                     unpack_first: bool = False, report: dict | None = None) -> torch.Tensor:
+                     unpack_first: bool = False, hot_windows: tuple[int, int] | None = None,
+                     hot_weight: int | None = None, report: dict | None = None) -> torch.Tensor:
     """Triton version of :func:`oscar_sglang.kernels.decode.reference.decode_attention`.
 
     ``rotate_q_in_kernel`` (default: automatic): rotate the queries inside the split kernel (two launches
@@ -343,6 +346,12 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     its capture, can follow it.  ``whole_waves`` (without ``num_splits`` or ``resident``): on a GPU, the same
     from the compiled kernel's own residency (``kernels/occupancy.py``); elsewhere ignored.  Variants for the
     GPU to time (scripts/device/decode_variants.py).
+    ``hot_windows=(sink, recent)``: where the requests' hot rows are (their first ``sink`` and last ``recent``
+    tokens; the server's windows), a hint for cutting the splits by work rather than evenly
+    (``split_cut.py``): a block of the windows weighs ``hot_weight`` quarters of a cold block (default
+    :data:`~.split_cut.HOT_WEIGHT_FOLD` for the folded loop, :data:`~.split_cut.HOT_WEIGHT_DEFAULT` for the
+    others; 0: the even cut).  Without it, or where the hint is wrong, every split still attends its own hot
+    rows: the cut moves time between the splits, never the result.
     ``report``: a dict filled with the launch's ``splits``, ``rotate_q_in_kernel`` and, on a GPU, the compiled
     split kernel's
     ``registers``, ``spills``, ``shared``, ``resident`` programs per multiprocessor and ``waves`` of the grid
@@ -372,13 +381,18 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     fold = bool(fold and hot_skip and kf.group_for(d) == d and vf.group_for(d) == d)
     if fold and block_n % 16:  # the fp16 dots over a block's tokens, and the hot parts of 16 rows
         raise ValueError(f"fold needs block_n a multiple of 16, got {block_n}")
+    check_cut(hot_windows, hot_weight)
+    if hot_windows is None:
+        hot_windows, hot_weight = (0, 0), 0
+    elif hot_weight is None:
+        hot_weight = HOT_WEIGHT_FOLD if fold else HOT_WEIGHT_DEFAULT
     if max_registers is not None and not 16 <= max_registers <= 255:
         raise ValueError(f"max_registers must be within 16..255, got {max_registers!r}")
     consts = dict(GQ=gq, BLOCK_H=max(8 if fold else 16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d,
                   K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
                   K_SYM=kf.symmetric, V_SYM=vf.symmetric, ROTATE_Q=rotate_q_in_kernel, HOT_SKIP=hot_skip,
                   PREFETCH=prefetch, FOLD=fold, HOT_LOOP=bool((hot_loop or fold) and hot_skip),
-                  UNPACK_FIRST=bool(fold and unpack_first),
+                  UNPACK_FIRST=bool(fold and unpack_first), HOT_WEIGHT=hot_weight,
                   PACKED=not interpreted(_decode_split_kernel) and torch.version.hip is None,  # inline PTX: NVIDIA only
                   num_warps=num_warps, num_stages=num_stages,
                   **({"maxnreg": max_registers} if max_registers is not None else {}))
@@ -388,7 +402,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
         mid_lse = torch.empty(bsz, q_heads, splits, dtype=torch.float32, device=q.device)
         args = (q_in, rot.q_rot, *store.row_args(), store.k_hot, store.v_hot, store.hot_index, req_to_token,
                 req_pool_indices, seq_lens, mid_o, mid_lse, q_in.stride(0), q_in.stride(1), req_to_token.stride(0),
-                kv, q_heads, splits, sm_scale * LOG2E)
+                kv, q_heads, splits, sm_scale * LOG2E, *hot_windows)
         if warmup:
             return _decode_split_kernel.warmup(*args, grid=(1, 1, 1), **consts)
         return _decode_split_kernel[(bsz, kv, splits)](*args, **consts), mid_o, mid_lse

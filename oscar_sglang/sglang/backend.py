@@ -126,6 +126,8 @@ class OscarInt2AttnBackend(AttentionBackend):
         # OSCAR_SGLANG_EXTEND_KERNEL: "sdpa" (the default on CUDA), or the kernel with its tile and dots
         self._extend_backend, self._extend_options = extend_path(torch.device(self.device).type)
         self._decode_options = decode_kernel_options()      # OSCAR_SGLANG_DECODE_KERNEL: tile, if set
+        # where every request's hot rows are (its sink and recent windows): the decode's splits cut by work
+        self._hot_windows = (self.pool.hot.sink, self.pool.hot.recent)
         self.decode_choice = None                           # the startup timing's Choice, where it ran
         if decode_kernel_autotuned() and torch.device(self.device).type == "cuda" and self._uses_triton():
             self.decode_choice = tuned_decode_choice(self.pool, lambda: _query_heads(model_runner))
@@ -298,7 +300,7 @@ class OscarInt2AttnBackend(AttentionBackend):
         pages, rows = ((self.req_to_token, forward_batch.req_pool_indices) if md.pages is None
                        else (md.pages, md.page_rows))
         o = kernels.decode_attention(q3, store, rot, pages, rows, forward_batch.seq_lens, layer.scaling,
-                                     backend=self.pool.kernel_backend, **tuning,
+                                     backend=self.pool.kernel_backend, **tuning, hot_windows=self._hot_windows,
                                      **self._decode_options_for(q3.shape[0]))
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
@@ -359,9 +361,10 @@ def tuned_decode_choice(pool: OscarInt2Pool, query_heads):
         formats = [(lf.k, lf.v) for lf in pool.layer_formats]
         common = max(formats, key=formats.count)     # the first of the most common
         store, rot = pool.layer(pool.start_layer + formats.index(common))
-        key = (str(store.k_codes.device), q_heads, pool.head_num, pool.head_dim, common)
+        key = (str(store.k_codes.device), q_heads, pool.head_num, pool.head_dim, common, pool.hot.sink,
+               pool.hot.recent)
         if key not in _TUNED:
-            choice = choose(store, rot, q_heads)
+            choice = choose(store, rot, q_heads, windows=(pool.hot.sink, pool.hot.recent))
             logger.info("oscar_int2 %s", choice.summary())
             _TUNED[key] = choice
         return _TUNED[key]

@@ -55,7 +55,7 @@ EXTEND_DOTS = ("bf16", "tf32")   # = kernels/extend/triton_kernel.DOT_CHOICES (n
 # tried on the real server the same way.
 ENV_DECODE_KERNEL = "OSCAR_SGLANG_DECODE_KERNEL"
 DECODE_AUTO, DECODE_DEFAULT = "auto", "default"
-DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages", "max_registers", "resident")
+DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages", "max_registers", "resident", "hot_weight")
 # and the loop's variants (kernels/decode/triton_kernel.decode_attention; pinned there by a test), e.g.
 # "dots=bf16", "prefetch=0,hot_skip=0" (the first H200 run's loop), "hot_loop=1" (blocks with a hot row in a
 # loop of their own), "fold=1" (folded scales) or "fold=1,num_warps=2,unpack_first=1" (the folded loop's values
@@ -63,10 +63,12 @@ DECODE_INT_KEYS = ("block_n", "num_warps", "num_stages", "max_registers", "resid
 # "max_registers=128" (the compiler's registers per thread at most, 16..255: more warps resident per
 # multiprocessor, some spills; kernels/occupancy.py) and "resident=4" (the split count for one whole wave of
 # that many programs per multiprocessor, 1..64, as decode_variants' "Grids" table reports the compiled kernel's,
-# the CUDA graphs' split count included)
+# the CUDA graphs' split count included), "hot_weight=0" (the splits cut evenly, not by work: a block of the
+# sink or recent window weighs 4 quarters of a cold block instead of the loop's default, 20 for the fold and 6
+# for the others; 4..64 otherwise; kernels/decode/split_cut.py)
 DECODE_CHOICES = {"dots": ("tf32", "bf16"), "prefetch": ("0", "1", "2"), "hot_skip": ("0", "1"), "fold": ("0", "1"),
                   "hot_loop": ("0", "1"), "unpack_first": ("0", "1")}
-_INT_RANGES = {"max_registers": (16, 255), "resident": (1, 64)}  # integer keys that are not tile sizes
+_INT_RANGES = {"max_registers": (16, 255), "resident": (1, 64), "hot_weight": (0, 64)}  # not tile sizes
 _CHOICE_VALUE = {"prefetch": int, "hot_skip": lambda raw: raw == "1", "fold": lambda raw: raw == "1",
                  "hot_loop": lambda raw: raw == "1", "unpack_first": lambda raw: raw == "1"}
 
@@ -262,8 +264,9 @@ def _kernel_options(environ, name: str, int_keys: tuple, choices: dict) -> dict:
                 raise OscarConfigError(f"{name}: {key}={raw!r}, expected a positive integer")
         elif key in _INT_RANGES:
             lo, hi = _INT_RANGES[key]
-            if not lo <= n <= hi:
-                raise OscarConfigError(f"{name}: {key}={raw!r}, expected an integer within {lo}..{hi}")
+            if not lo <= n <= hi or (key == "hot_weight" and 0 < n < 4):
+                raise OscarConfigError(f"{name}: {key}={raw!r}, expected an integer within {lo}..{hi}"
+                                       + (" (0, or 4 and more)" if key == "hot_weight" else ""))
         elif n == 0 or n & (n - 1) or (key == "block_n" and n < 16):
             raise OscarConfigError(f"{name}: {key}={raw!r}, expected a power of two"
                                    + (" >= 16" if key == "block_n" else ""))

@@ -65,7 +65,7 @@ CASES = [(1, 200), (2, 96)] if SMOKE else [(1, 32768), (32, 32768), (128, 16384)
 # in docs/gpu/run2/decode_variants.md; dropped here so that the rest fits the step's two minutes, as are (on
 # 2026-12-05) block_n 128 (255 registers and 139 KB of shared memory: one program per multiprocessor), bf16 dots
 # at block_n 128 (spills) and the folded loop at 1 warp (spills) and at block_n 128.
-RUN1 = {"block_n": 32, "prefetch": 0, "hot_skip": False}
+RUN1 = {"block_n": 32, "prefetch": 0, "hot_skip": False, "hot_weight": 0}
 FOLD2 = {"fold": True, "num_warps": 2}
 VARIANTS = [
     ("as run 1", RUN1),
@@ -88,6 +88,12 @@ VARIANTS = [
     ("default, fold", {"fold": True}),
     ("default, fold, 2 warps", FOLD2),
     ("default, fold, 2 warps, whole waves", {**FOLD2, "whole_waves": True}),
+    # every variant is given the windows as the server gives them (``hot_windows``: its splits cut by work, a
+    # block of the windows weighing 5 cold ones for the fold and 1.5 for the others, kernels/decode/split_cut.py);
+    # these two cut them evenly, as every loop did until 2026-12-05 (the second run's rows): at batch 1, 32k, 99
+    # splits the fold's longest split holds 14 cold blocks' worth of work evenly cut, 6 by work (counted)
+    ("default, even cut", {"hot_weight": 0}),
+    ("default, fold, 2 warps, even cut", {**FOLD2, "hot_weight": 0}),
     # the values' codes unpacked before they cross to their dots' transposed layout (ldmatrix.trans of fp16 through
     # shared memory, not byte shuffles): sm_90, per 64-token block and warp, 552 instructions with 3.6 and 545 with
     # 3.8 instead of 612 / 630, but 200 shared-memory wavefronts instead of 88 (docs/KERNELS.md: by the counts
@@ -149,8 +155,9 @@ def measure(args) -> dict:
                                 args.rep)}
         first = None
         for label, opts in VARIANTS:
-            def run(opts=opts, report=None):
-                return decode_tk.decode_attention(q, store, rot, *targs, max_seq_len=ctx, report=report, **opts)
+            def run(opts=opts, report=None):  # the hot rows' windows as a server passes them
+                return decode_tk.decode_attention(q, store, rot, *targs, max_seq_len=ctx, report=report,
+                                                  hot_windows=(SINK, RECENT), **opts)
             try:
                 grid = {}
                 out = run(report=grid)
