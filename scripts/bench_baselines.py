@@ -101,6 +101,95 @@ def graph_times(fns: dict, timed: Callable[[Callable[[], object]], float]) -> di
     return out
 
 
+# --------------------------------------------------------------------------- where a decode's time goes
+
+FLUSH_BYTES = 256 << 20  # as do_bench's L2 flush: a decode's reads (an INT2 32k request's ~21 MB) start cold
+
+
+def per_call(kernels, runs: int, skip=frozenset()) -> list[dict]:
+    """``[{"kernel", "us", "launches"}]`` per call, longest first, from ``kernels``: ``(name, total_us, count)``
+    of the device's kernels over ``runs`` calls (names in ``skip``, the L2 flush's, left out)."""
+    out = {}
+    for name, total_us, count in kernels:
+        if name in skip or count <= 0:
+            continue
+        k = out.setdefault(name, {"kernel": name, "us": 0.0, "launches": 0.0})
+        k["us"] += total_us / runs
+        k["launches"] += count / runs
+    return sorted(out.values(), key=lambda k: -k["us"])
+
+
+def _profiled_kernels(fn: Callable[[], object], runs: int, flush: Callable[[], object] | None, device: str):
+    """``(name, total us, count)`` of every CUDA kernel the profiler saw over ``runs`` calls of ``fn`` (``flush``
+    before each); on a CPU device the operators it ran instead (the same plumbing, tested there)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(runs):
+            if flush is not None:
+                flush()
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    out = []
+    for e in prof.key_averages():
+        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((e.key, e.self_device_time_total, e.count))
+        elif not cuda and e.device_type == torch.autograd.DeviceType.CPU:
+            out.append((e.key, e.self_cpu_time_total, e.count))
+    return out
+
+
+def launch_times(fns: dict, runs: int = 20, device: str = "cuda", profiled=_profiled_kernels) -> dict:
+    """Per decode of ``fns`` (eager, after a warm call; the L2 flushed before each call as ``do_bench`` does):
+    each kernel's device time and launches per call (torch's profiler), and their sum: what the batch-1 decode
+    is made of (split kernel, merge, query rotation) against SDPA's kernels, and, against the eager time, how
+    long the GPU waited for the host.  ``{name: {"kernels": [...], "sum_us": ...}}`` or ``{name: {"note": ...}}``;
+    the flush's own kernels (profiled alone first) left out."""
+    flush_buf = torch.empty(FLUSH_BYTES if device == "cuda" else 1 << 10, dtype=torch.int8, device=device)
+
+    def flush():
+        flush_buf.add_(1)
+
+    out = {}
+    try:
+        flush()
+        skip = frozenset(name for name, _, _ in profiled(flush, 2, None, device))
+    except Exception as e:  # noqa: BLE001 - the profiler itself may be missing (CUPTI)
+        return {name: {"note": f"profiler: {type(e).__name__}: {str(e)[:160]}"} for name in fns}
+    for name, fn in fns.items():
+        try:
+            fn()
+            kernels = per_call(profiled(fn, runs, flush, device), runs, skip)
+            out[name] = {"kernels": kernels, "sum_us": sum(k["us"] for k in kernels)}
+        except Exception as e:  # noqa: BLE001 - recorded per decode
+            out[name] = {"note": f"{type(e).__name__}: {str(e)[:160]}"}
+    del flush_buf
+    return out
+
+
+def launch_lines(decode: list[dict]) -> list[str]:
+    """The "where the time goes" section of bench_kernels.md (rows with ``launches``)."""
+    rows = [r for r in decode if r.get("launches")]
+    if not rows:
+        return []
+    lines = ["", "## Where a decode's time goes (torch profiler, eager)", "",
+             "Each kernel's device time per call (mean of 20 calls, the L2 flushed before each) and launches per "
+             "call; sum = the kernels' time, which the eager time above exceeds by what the GPU waited for the "
+             "host's launches. INT2 = the served loop as timed above.", "",
+             "| d | batch | context | decode | eager ms | kernels' sum us | kernels (us per call, launches) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for name, got in r["launches"].items():
+            eager, total = r.get(f"{name}_ms"), got.get("sum_us")
+            cell = "; ".join(f"{k['kernel'][:60]} {k['us']:.1f} ({k['launches']:g})" for k in got.get("kernels", []))
+            lines.append(f"| {r['d']} | {r['batch']} | {r['context']} | {name} | "
+                         + ("n/a" if eager is None else f"{eager:.4f}") + " | "
+                         + ("n/a" if total is None else f"{total:.1f}") + f" | {cell or got.get('note', '-')} |")
+    return lines
+
+
 def graph_lines(decode: list[dict]) -> list[str]:
     """The CUDA-graph section of bench_kernels.md (rows timed in graphs only)."""
     rows = [r for r in decode if r.get("graph")]

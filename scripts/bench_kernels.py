@@ -39,6 +39,10 @@ Measured in the same run:
   Every baseline's output is checked against ``triton_bf16`` on every case.
 * a tile sweep (block_n x num_warps x num_stages) of the two Triton decodes on
   two cases, and the write kernel's throughput (INT2, and INT4 keys + INT2 values);
+* at the goals' shapes (batch 1 and 32, context 32k) the decodes again in CUDA graphs, and at batch 1 what
+  each eager decode is made of: every kernel's device time and launches per call by torch's profiler
+  (``bench_baselines.launch_times``: the INT2 split kernel, its merge and query rotation against SDPA's
+  kernels; their sum against the eager time: how long the GPU waited for the host);
 * the hot side pool's update per decode step, recorded in a CUDA graph and eager,
   and its re-pin kernel against the torch re-pin (``bench_hot_update.py``);
 * prefill attention per layer: a 32k prompt in SGLang's 8k chunks, the INT2 extend kernel (bf16 and
@@ -473,6 +477,8 @@ def decode_case(d, batch, ctx, scale, store, k4, kb, vb, flat_k, flat_v, rot, sd
         if row.get("sdpa_ms") is not None:
             fns["sdpa"] = bl.in_backend(backend, next(fn for form, fn, _ in runs if form == row["sdpa_backend"]))
         row["graph"] = bl.graph_times(fns, timed)
+        if batch == 1:  # goal 2's shape: which kernels the eager decodes are made of, and their device time
+            row["launches"] = bl.launch_times({n: fns[n] for n in ("int2", "triton_bf16", "sdpa") if n in fns})
     err = row.get("sdpa_rel_err")
     if err is not None and not err < TOL_BASELINE:
         problems.append(f"{where}: sdpa differs from triton_bf16 by {err:.2e} (relative) > {TOL_BASELINE}")
@@ -651,6 +657,7 @@ def markdown(meta: dict, check: dict, copy: dict, decode: list[dict], skipped: l
                      f"{_pct(r, 'triton_bf16')} | {_pct(r, 'sdpa')} | "
                      f"{_pct(r, 'flashinfer')} |")
     lines += bl.graph_lines(decode)
+    lines += bl.launch_lines(decode)
     lines += ["", "## Where the queries are rotated (INT2 decode)", "",
               "The automatic choice rotates them inside the split kernel (2 launches per layer) when its grid is "
               f"at most {decode_tk.ROTATE_IN_KERNEL_WAVES} programs per multiprocessor, else before it by a "

@@ -346,3 +346,40 @@ def test_decode_buffers_are_counted_before_they_are_taken():
         assert meta == real == slots * per_slot + 2 * 2 * 640 * kv * d  # + the largest case's dense K, V
         assert kept == [[1, 96], [2, 96], [1, 320]] and skipped == [[2, 320]]   # one byte short: the largest out
         assert reason.startswith("buffers ") and reason.endswith(" GiB free")
+
+
+def test_launch_times_with_the_real_profiler_on_cpu_and_their_section():
+    """``launch_times`` runs torch's real profiler (on CPU it sees operators, on a GPU kernels): per call the time
+    and count of what each decode ran, the L2 flush's own work left out, a failing decode a note; the section
+    lists them under the eager times."""
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+
+    def two_ops():
+        return torch.mm(a, b).relu_()
+
+    def broken():
+        raise RuntimeError("no kernel")
+
+    out = bl.launch_times({"int2": two_ops, "sdpa": broken}, runs=5, device="cpu")
+    names = {k["kernel"] for k in out["int2"]["kernels"]}
+    assert {"aten::mm", "aten::relu_"} <= names and "aten::add_" not in names   # the flush's add_ left out
+    mm = next(k for k in out["int2"]["kernels"] if k["kernel"] == "aten::mm")
+    assert mm["launches"] == 1 and mm["us"] > 0
+    assert out["int2"]["sum_us"] == pytest.approx(sum(k["us"] for k in out["int2"]["kernels"]))
+    assert out["sdpa"] == {"note": "RuntimeError: no kernel"}
+    # the aggregation: per call, the flush's names skipped, longest first
+    got = bl.per_call([("split", 300.0, 20), ("merge", 60.0, 20), ("flush", 999.0, 20), ("split", 100.0, 20)], 20,
+                      skip={"flush"})
+    assert got == [{"kernel": "split", "us": 20.0, "launches": 2.0}, {"kernel": "merge", "us": 3.0, "launches": 1.0}]
+    row = {"d": 128, "batch": 1, "context": 32768, "int2_ms": 0.05, "sdpa_ms": None,
+           "launches": {"int2": {"kernels": got, "sum_us": 23.0}, "sdpa": out["sdpa"]}}
+    lines = bl.launch_lines([row, {"d": 64, "batch": 8}])
+    assert "## Where a decode's time goes (torch profiler, eager)" in lines
+    assert lines[-2:] == ["| 128 | 1 | 32768 | int2 | 0.0500 | 23.0 | split 20.0 (2); merge 3.0 (1) |",
+                          "| 128 | 1 | 32768 | sdpa | n/a | n/a | RuntimeError: no kernel |"]
+    assert bl.launch_lines([{"d": 64, "batch": 8}]) == []
+    # no profiler: every decode says why
+    def no_profiler(*args):
+        raise ImportError("CUPTI")
+    assert bl.launch_times({"int2": two_ops}, device="cpu", profiled=no_profiler) == \
+        {"int2": {"note": "profiler: ImportError: CUPTI"}}
