@@ -229,12 +229,16 @@ def test_kernel_tile_knobs_reach_the_kernels(monkeypatch, kernel, env, knob, wan
 
     def spy(*args, **kwargs):
         seen.append(({k: kwargs.get(k) for k in want}, "max_seq_len" in kwargs or "num_splits" in kwargs))
+        windows.append(kwargs.get("hot_windows"))
         return real(*args, **kwargs)
 
+    windows = []
     monkeypatch.setattr(api, kernel, spy)
     monkeypatch.setenv(env, knob)
     _, dense, _ = _run("triton")
     assert seen and all(s == (want, kernel == "decode_attention") for s in seen)
+    # every decode is given the served windows, where its splits are cut by work (kernels/decode/split_cut.py)
+    assert set(windows) == ({(SINK, RECENT)} if kernel == "decode_attention" else {None})
     for o, ref in dense:
         torch.testing.assert_close(o, ref, atol=2e-2, rtol=2e-2)
     monkeypatch.setenv(env, bad)
