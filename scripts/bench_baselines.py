@@ -165,7 +165,6 @@ def launch_times(fns: dict, runs: int = 20, device: str = "cuda", profiled=_prof
             out[name] = {"kernels": kernels, "sum_us": sum(k["us"] for k in kernels)}
         except Exception as e:  # noqa: BLE001 - recorded per decode
             out[name] = {"note": f"{type(e).__name__}: {str(e)[:160]}"}
-    del flush_buf
     return out
 
 

@@ -140,6 +140,12 @@ def build_case(batch: int, ctx: int, seed: int):
     return paged, store, rot, kb, vb, q
 
 
+def decode(q, store, rot, targs, ctx: int, opts: dict, report: dict | None = None):
+    """One INT2 decode of a variant, given the hot rows' windows as a server gives them (``hot_windows``)."""
+    return decode_tk.decode_attention(q, store, rot, *targs, max_seq_len=ctx, report=report,
+                                      hot_windows=(SINK, RECENT), **opts)
+
+
 def measure(args) -> dict:
     start = time.time()
     rows, problems = [], []
@@ -155,9 +161,8 @@ def measure(args) -> dict:
                                 args.rep)}
         first = None
         for label, opts in VARIANTS:
-            def run(opts=opts, report=None):  # the hot rows' windows as a server passes them
-                return decode_tk.decode_attention(q, store, rot, *targs, max_seq_len=ctx, report=report,
-                                                  hot_windows=(SINK, RECENT), **opts)
+            def run(opts=opts, report=None):
+                return decode(q, store, rot, targs, ctx, opts, report)
             try:
                 grid = {}
                 out = run(report=grid)
@@ -261,8 +266,7 @@ def profile() -> int:
     outs = []
     for label, opts in VARIANTS:
         if label in PROFILED:
-            twice = [decode_tk.decode_attention(q, store, rot, *targs, max_seq_len=ctx, **opts).float()
-                     for _ in range(2)]
+            twice = [decode(q, store, rot, targs, ctx, opts).float() for _ in range(2)]
             outs.append(twice[0])
             print(f"profiled batch {batch} ctx {ctx}: {label} ({opts}); the second launch differs from the first "
                   f"by {(twice[1] - twice[0]).abs().max().item():.1e}", flush=True)
