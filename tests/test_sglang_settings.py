@@ -132,6 +132,10 @@ def test_kernel_knob_keys_are_the_kernels_own():
     assert params["max_registers"].default is None  # unset: the compiler's own choice
     assert params["resident"].default is None  # unset: the fixed 8 warps per multiprocessor
     assert params["hot_weight"].default is None  # unset: the loop's own weight (split_cut.py)
+    # the knob's hot_weight rule (0, or a cold block's 4 quarters up to the most) is the kernel's (split_cut.check_cut)
+    from oscar_sglang.kernels.decode import split_cut
+
+    assert st._INT_RANGES["hot_weight"] == (0, split_cut.MAX_HOT_WEIGHT) and split_cut.COLD_WEIGHT == 4
     assert all(key in params for key in st._INT_RANGES)
     assert st.DECODE_CHOICES["dots"] == decode_kernel.DOT_CHOICES
     assert {key: type(params[key].default) for key in ("prefetch", "hot_skip", "fold", "hot_loop", "unpack_first")} == \

@@ -361,10 +361,10 @@ def tuned_decode_choice(pool: OscarInt2Pool, query_heads):
         formats = [(lf.k, lf.v) for lf in pool.layer_formats]
         common = max(formats, key=formats.count)     # the first of the most common
         store, rot = pool.layer(pool.start_layer + formats.index(common))
-        key = (str(store.k_codes.device), q_heads, pool.head_num, pool.head_dim, common, pool.hot.sink,
-               pool.hot.recent)
+        windows = (pool.hot.sink, pool.hot.recent)
+        key = (str(store.k_codes.device), q_heads, pool.head_num, pool.head_dim, common, windows)
         if key not in _TUNED:
-            choice = choose(store, rot, q_heads, windows=(pool.hot.sink, pool.hot.recent))
+            choice = choose(store, rot, q_heads, windows=windows)
             logger.info("oscar_int2 %s", choice.summary())
             _TUNED[key] = choice
         return _TUNED[key]
