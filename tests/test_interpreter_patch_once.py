@@ -1,0 +1,83 @@
+"""Triton's interpreter patches its language once per launch (``kernels/interpret.py``), not at every
+``@triton.jit`` helper call inside the kernel, and the kernels compute the same.
+
+Checked with a kernel whose loop calls our helper and Triton's own ``tl.sum`` / ``tl.zeros`` / ``tl.maximum``
+many times: its output against torch, the number of times Triton's ``_patch_builtin`` runs per launch, the
+language restored after each launch (a failing one included).  CPU only (on CUDA the kernels are compiled).
+"""
+
+import pytest
+import torch
+from kernel_device import DEVICE
+
+pytestmark = pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter runs on CPU only")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter as ti  # noqa: E402
+
+
+@triton.jit
+def _row_sum(x_ptr, row, N: tl.constexpr):
+    """A helper that calls Triton's own helpers (``tl.sum``, ``tl.zeros``: in a module holding ``tl.core``)."""
+    acc = tl.zeros([N], dtype=tl.float32)
+    acc += tl.load(x_ptr + row * N + tl.arange(0, N))
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _sums_kernel(x_ptr, out_ptr, ROWS: tl.constexpr, N: tl.constexpr, FAIL_AT: tl.constexpr):
+    pid = tl.program_id(0)
+    best = tl.full([1], float("-inf"), tl.float32)
+    for r in range(ROWS):
+        if r == FAIL_AT:  # the interpreter runs this as Python: an error in the middle of the launch
+            tl.static_assert(False, "failing on purpose")
+        s = _row_sum(x_ptr, pid * ROWS + r, N)
+        tl.store(out_ptr + pid * ROWS + r, s)
+        best = tl.maximum(best, s)
+    tl.store(out_ptr + 2 * ROWS + pid + tl.arange(0, 1), best)
+
+
+def _run(x, fail_at=-1):
+    out = torch.zeros(2 * 8 + 2)
+    _sums_kernel[(2,)](x, out, ROWS=8, N=16, FAIL_AT=fail_at)
+    return out
+
+
+def _language_now():
+    """A few of the attributes a launch patches and gives back (Triton leaves ``tl.core``'s builtins patched
+    after a helper call, with or without our patch, so only ``tl``'s own are compared)."""
+    return (tl.full, tl.reduce, tl.range, tl.math.exp, getattr(tl.tensor, "__index__", None), tl.tensor.__add__)
+
+
+def test_one_patch_per_language_per_launch_and_the_same_results(monkeypatch):
+    calls = []
+    builtin = ti._patch_builtin
+    monkeypatch.setattr(ti, "_patch_builtin", lambda *a: (calls.append(a[0]), builtin(*a))[1])
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    want = torch.cat([x.sum(1), x.sum(1).view(2, 8).amax(1)])
+    _run(x)
+    before = _language_now()
+    for _ in range(2):
+        calls.clear()
+        out = _run(x)
+        assert torch.allclose(out, want, atol=1e-4), (out - want).abs().max()
+        # the launch patches tl (its builtins, the tensor's, math's) and the first helper call over tl.core
+        # (Triton's tl.sum and tl.zeros) patches that once: 10 _patch_builtin calls with Triton 3.8; unpatched,
+        # every helper call of the 16 rows (_row_sum, zeros, sum, their own helpers) patched again: 260
+        assert 3 <= len(calls) <= 16, len(calls)
+        assert _language_now() == before
+
+
+def test_a_failing_launch_gives_the_language_back_and_the_next_one_patches_again(monkeypatch):
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    _run(x)
+    before = _language_now()
+    with pytest.raises(Exception, match="failing on purpose"):
+        _run(x, fail_at=3)
+    assert _language_now() == before
+    calls = []
+    builtin = ti._patch_builtin
+    monkeypatch.setattr(ti, "_patch_builtin", lambda *a: (calls.append(a[0]), builtin(*a))[1])
+    out = _run(x)
+    assert torch.allclose(out[:16], x.sum(1), atol=1e-4) and 3 <= len(calls) <= 16, len(calls)
