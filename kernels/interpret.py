@@ -88,6 +88,29 @@ def _patch_interpreter() -> None:
     builder.create_dot, builder.cast_impl = create_dot, cast_impl  # the casts' lambdas look cast_impl up per call
     builder._oscar_patched = True
     _patch_language_once_per_launch(ti)
+    _memoize_np_dtype(ti)
+
+
+def _memoize_np_dtype(ti) -> None:
+    """Triton's ``_get_np_dtype`` (a numpy dtype per Triton dtype, asked at nearly every interpreted operation:
+    650,000 times in the hot-pass tests) builds its table of 19 dtypes at every call; this answers from a
+    table filled as it is asked, the original deciding each dtype once (a pure function of a hashable dtype)."""
+    get = getattr(ti, "_get_np_dtype", None)
+    if get is None or getattr(get, "_oscar_memo", False):
+        return
+    memo: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        try:
+            return memo[tt_dtype]
+        except KeyError:
+            memo[tt_dtype] = found = get(tt_dtype)
+            return found
+        except TypeError:  # not hashable: as Triton does
+            return get(tt_dtype)
+
+    get_np_dtype._oscar_memo, get_np_dtype._oscar_original = True, get
+    ti._get_np_dtype = get_np_dtype
 
 
 def _lang_modules(fn, tl) -> frozenset:

@@ -1,5 +1,6 @@
-"""Triton's interpreter patches its language once per launch (``kernels/interpret.py``), not at every
-``@triton.jit`` helper call inside the kernel, and the kernels compute the same.
+"""Two of the Triton interpreter's overheads that ``kernels/interpret.py`` removes, and the kernels compute the
+same: it patches its language once per launch, not at every ``@triton.jit`` helper call inside the kernel, and
+answers ``_get_np_dtype`` from a table.
 
 Checked with a kernel whose loop calls our helper and Triton's own ``tl.sum`` / ``tl.zeros`` / ``tl.maximum``
 many times: its output against torch, the number of times Triton's ``_patch_builtin`` runs per launch, the
@@ -81,3 +82,22 @@ def test_a_failing_launch_gives_the_language_back_and_the_next_one_patches_again
     monkeypatch.setattr(ti, "_patch_builtin", lambda *a: (calls.append(a[0]), builtin(*a))[1])
     out = _run(x)
     assert torch.allclose(out[:16], x.sum(1), atol=1e-4) and 3 <= len(calls) <= 16, len(calls)
+
+
+def test_np_dtype_answers_as_triton_s_own_for_every_dtype():
+    """The memoized ``_get_np_dtype`` against Triton's own (the function it wraps) for scalars, blocks and
+    pointers of every dtype, asked twice (filled, then from the table)."""
+    import numpy as np
+
+    get = ti._get_np_dtype
+    assert getattr(get, "_oscar_memo", False)
+    own = get._oscar_original
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+               tl.float16, tl.bfloat16, tl.float32, tl.float64, tl.float8e5, tl.float8e4nv]
+    kinds = scalars + [tl.pointer_type(t) for t in scalars] + [tl.block_type(t, [4, 8]) for t in scalars] + \
+        [tl.block_type(tl.pointer_type(tl.float32), [16])]
+    for _ in range(2):
+        for t in kinds:
+            assert get(t) == own(t) and isinstance(get(t), np.dtype), t
+    assert get(tl.block_type(tl.bfloat16, [2])) == np.dtype(np.uint16)   # bf16 stored as its bits
+    assert get(tl.pointer_type(tl.float16)) == np.dtype(np.uint64)
