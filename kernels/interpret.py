@@ -155,8 +155,12 @@ def _patch_language_once_per_launch(ti) -> None:
             finally:
                 active.remove(self._langs)
 
+    held: dict = {}  # fn -> its language modules (a module's imports do not change once it has run)
+
     def patch_lang(fn):
-        langs = _lang_modules(fn, ti.tl)
+        langs = held.get(fn)
+        if langs is None:
+            langs = held[fn] = _lang_modules(fn, ti.tl)
         if active and langs <= active[-1]:
             return scope_type()  # a helper inside the launch: its language is already the interpreter's
         scope = patch(fn)

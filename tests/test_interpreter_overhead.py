@@ -51,10 +51,16 @@ def _language_now():
     return (tl.full, tl.reduce, tl.range, tl.math.exp, getattr(tl.tensor, "__index__", None), tl.tensor.__add__)
 
 
-def test_one_patch_per_language_per_launch_and_the_same_results(monkeypatch):
+def _builtin_patches(monkeypatch) -> list:
+    """What Triton's ``_patch_builtin`` is called on from now on (each call: one pass over a module's members)."""
     calls = []
     builtin = ti._patch_builtin
     monkeypatch.setattr(ti, "_patch_builtin", lambda *a: (calls.append(a[0]), builtin(*a))[1])
+    return calls
+
+
+def test_one_patch_per_language_per_launch_and_the_same_results(monkeypatch):
+    calls = _builtin_patches(monkeypatch)
     x = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
     want = torch.cat([x.sum(1), x.sum(1).view(2, 8).amax(1)])
     _run(x)
@@ -77,9 +83,7 @@ def test_a_failing_launch_gives_the_language_back_and_the_next_one_patches_again
     with pytest.raises(Exception, match="failing on purpose"):
         _run(x, fail_at=3)
     assert _language_now() == before
-    calls = []
-    builtin = ti._patch_builtin
-    monkeypatch.setattr(ti, "_patch_builtin", lambda *a: (calls.append(a[0]), builtin(*a))[1])
+    calls = _builtin_patches(monkeypatch)
     out = _run(x)
     assert torch.allclose(out[:16], x.sum(1), atol=1e-4) and 3 <= len(calls) <= 16, len(calls)
 
