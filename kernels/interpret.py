@@ -89,25 +89,50 @@ def _patch_interpreter() -> None:
     builder._oscar_patched = True
     _patch_language_once_per_launch(ti)
     _memoize_np_dtype(ti)
+    _skip_discarded_overflow_checks(ti)
+
+
+def _skip_discarded_overflow_checks(ti) -> None:
+    """Turn off the interpreter's integer-overflow check where Triton discards its verdict.
+
+    The interpreter's options say ``sanitize_overflow=True, debug=False``: every ``+``, ``-`` and ``*`` of
+    integers below 64 bits then recomputes itself in int64 and compares the result with the type's bounds
+    (``binary_op_sanitize_overflow_impl``: two casts, the operation, two constants, two comparisons, an and:
+    eight more interpreted operations), and hands the condition to ``device_assert``, which returns at once
+    without ``debug``.  So nothing was ever checked, yet it took about half of an index-heavy kernel's
+    interpreted time.  With ``debug`` set (where an overflow would fail), the check stays.
+    """
+    import dataclasses
+
+    builder = getattr(ti, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if not dataclasses.is_dataclass(options) or getattr(options, "debug", True):
+        return
+    if getattr(options, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
 def _memoize_np_dtype(ti) -> None:
     """Triton's ``_get_np_dtype`` (a numpy dtype per Triton dtype, asked at nearly every interpreted operation:
     650,000 times in the hot-pass tests) builds its table of 19 dtypes at every call; this answers from a
-    table filled as it is asked, the original deciding each dtype once (a pure function of a hashable dtype)."""
+    table filled as it is asked, the original deciding each dtype once (a pure function of the dtype; an
+    unhashable one, a pointer type, is keyed by its class and name)."""
     get = getattr(ti, "_get_np_dtype", None)
     if get is None or getattr(get, "_oscar_memo", False):
         return
     memo: dict = {}
 
     def get_np_dtype(tt_dtype):
+        key = tt_dtype
         try:
-            return memo[tt_dtype]
+            hash(key)
+        except TypeError:  # a pointer type (unhashable): its class and name (element type, constness) say it
+            key = (type(tt_dtype), str(tt_dtype))
+        try:
+            return memo[key]
         except KeyError:
-            memo[tt_dtype] = found = get(tt_dtype)
+            memo[key] = found = get(tt_dtype)
             return found
-        except TypeError:  # not hashable: as Triton does
-            return get(tt_dtype)
 
     get_np_dtype._oscar_memo, get_np_dtype._oscar_original = True, get
     ti._get_np_dtype = get_np_dtype

@@ -1,6 +1,6 @@
-"""Two of the Triton interpreter's overheads that ``kernels/interpret.py`` removes, and the kernels compute the
-same: it patches its language once per launch, not at every ``@triton.jit`` helper call inside the kernel, and
-answers ``_get_np_dtype`` from a table.
+"""Three of the Triton interpreter's overheads that ``kernels/interpret.py`` removes, and the kernels compute the
+same: it patches its language once per launch, not at every ``@triton.jit`` helper call inside the kernel,
+answers ``_get_np_dtype`` from a table, and skips the integer-overflow checks whose verdict it discards.
 
 Checked with a kernel whose loop calls our helper and Triton's own ``tl.sum`` / ``tl.zeros`` / ``tl.maximum``
 many times: its output against torch, the number of times Triton's ``_patch_builtin`` runs per launch, the
@@ -105,3 +105,52 @@ def test_np_dtype_answers_as_triton_s_own_for_every_dtype():
             assert get(t) == own(t) and isinstance(get(t), np.dtype), t
     assert get(tl.block_type(tl.bfloat16, [2])) == np.dtype(np.uint16)   # bf16 stored as its bits
     assert get(tl.pointer_type(tl.float16)) == np.dtype(np.uint64)
+
+
+@triton.jit
+def _wrapping_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    """int32 products and sums that overflow (``x * 2^20 + x``), stored as they wrap."""
+    i = tl.arange(0, N)
+    x = tl.load(x_ptr + i)
+    tl.store(out_ptr + i, x * 1048576 + x)
+
+
+def _wrapping_run(x):
+    out = torch.zeros_like(x)
+    _wrapping_kernel[(1,)](x, out, N=x.numel())
+    return out
+
+
+def test_overflow_checks_are_skipped_where_triton_discards_them_and_kept_where_it_asserts(monkeypatch):
+    """The interpreter's options (``debug`` off) recomputed every int32 ``+ - *`` in int64 for a
+    ``device_assert`` that returns without ``debug``: now not computed at all, the results the same; with
+    ``debug`` on, the check stays and an overflow fails the launch."""
+    import dataclasses
+
+    from triton.runtime.errors import InterpreterError
+
+    from oscar_sglang.kernels.interpret import _skip_discarded_overflow_checks
+
+    builder = ti.interpreter_builder
+    assert not builder.options.debug and not builder.options.sanitize_overflow
+    x = torch.arange(-8, 8, dtype=torch.int32) * 3001
+    want = (x.to(torch.int64) * 1048577 + 2**31) % 2**32 - 2**31          # int32 wrap-around
+    asserts = []
+    semantic = type(ti.interpreter_semantic)            # the class: each Triton's launch has its own instance
+    device_assert = semantic.device_assert
+    monkeypatch.setattr(semantic, "device_assert", lambda self, cond, msg, mask: (
+        asserts.append(msg), device_assert(self, cond, msg, mask))[1])
+    assert torch.equal(_wrapping_run(x), want.to(torch.int32)) and asserts == []
+    # Triton's own options, as the interpreter had them: the same result, two checks computed and discarded
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=True))
+    assert torch.equal(_wrapping_run(x), want.to(torch.int32)) and len(asserts) == 2, asserts
+    # with debug on, the check is kept (and fails on this overflow)
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    _skip_discarded_overflow_checks(ti)
+    assert builder.options.sanitize_overflow
+    with pytest.raises(InterpreterError, match="int32 overflow detected for operation mul"):
+        _wrapping_run(x)
+    # with debug off the skip applies
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=False))
+    _skip_discarded_overflow_checks(ti)
+    assert not builder.options.sanitize_overflow
