@@ -259,7 +259,7 @@ def bf16_answers(model_dir, tmp_path_factory):
         completions = [_greedy(url, p) for p in PROMPTS]
         facts = [_generate(url, p, AGREE_TOKENS) for p in FACTS]
         long = [_generate(url, LONG[0], N_LONG)]
-    return {"completions": completions, "facts": facts, "long": long}
+    return {"completions": completions, "facts": facts, "long": long, "stopped_log": log.read_text()}
 
 
 @pytest.fixture(scope="module")
@@ -498,6 +498,13 @@ def test_openai_client_talks_to_the_int2_server(int2_url):
     assert done.usage.prompt_tokens > SINK + RECENT and done.usage.completion_tokens == 4
     flush_cache(url)
     assert done.choices[0].text == _greedy(url, PROMPTS[0], max_tokens=4)["text"]   # same as over plain HTTP
+
+
+def test_a_server_stopped_on_purpose_is_not_taken_for_a_crash(bf16_answers):
+    """The launcher's stop ends the scheduler first; SGLang reads that as a crash and, with its crash
+    diagnostics on (its default), slept 5 s before looking for a scheduler to dump (launcher.STOPPED_ON_PURPOSE)."""
+    log = bf16_answers["stopped_log"]
+    assert "SIGTERM received" in log and "crash diagnostics" not in log, log[-2000:]
 
 
 def test_launcher_reports_a_server_that_cannot_start(tmp_path):
