@@ -123,15 +123,16 @@ def _memoize_np_dtype(ti) -> None:
     memo: dict = {}
 
     def get_np_dtype(tt_dtype):
-        key = tt_dtype
         try:
-            hash(key)
+            return memo[tt_dtype]
+        except KeyError:
+            memo[tt_dtype] = found = get(tt_dtype)
+            return found
         except TypeError:  # a pointer type (unhashable): its class and name (element type, constness) say it
             key = (type(tt_dtype), str(tt_dtype))
-        try:
-            return memo[key]
-        except KeyError:
-            memo[key] = found = get(tt_dtype)
+            found = memo.get(key)
+            if found is None:
+                memo[key] = found = get(tt_dtype)
             return found
 
     get_np_dtype._oscar_memo, get_np_dtype._oscar_original = True, get
