@@ -50,7 +50,7 @@ class RotatedSample:
         k, v = sample.k.float(), sample.v.float()  # [G, T, d]
         h, g = q.shape[0], k.shape[0]
         self.rep = h // g
-        self.qr = rot.rotate_queries(q.transpose(0, 1), k_rot).transpose(0, 1)  # [H, nq, d]
+        self.qr = rot.rotate_queries(q.transpose(0, 1), k_rot).transpose(0, 1).contiguous()  # [H, nq, d]
         self.kr = rot.rotate_kv(k.transpose(0, 1), k_rot, k_mean).transpose(0, 1)  # [G, T, d]
         if k_scale is not None:  # key channel scales [G, d]: k' = k R s, q' = q R / s (same logits)
             self.rescale_keys(k_scale.float())
@@ -62,23 +62,33 @@ class RotatedSample:
         self.allowed = allowed
         logits = torch.einsum("hsd,htd->hst", self.qr, self.kr.repeat_interleave(self.rep, 0)) * scale
         self.probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        # the error measures take each KV head's query heads side by side, [G, rep * nq, ...]: one batched
+        # matmul over a KV head's rows, without repeating them for every query head
+        self._int2_by_kv = self.int2.float().repeat(self.rep, 1)                        # [rep * nq, T]
+        self._p_int2_by_kv = (self.probs * self.int2).reshape(g, -1, t)                # [G, rep * nq, T]
 
     def rescale_keys(self, k_scale: torch.Tensor) -> None:
         """Multiply the key channels by ``k_scale [G, d]`` and divide the queries' by it (logits unchanged)."""
         self.kr = self.kr * k_scale.unsqueeze(1)
         self.qr = self.qr / k_scale.repeat_interleave(self.rep, 0).unsqueeze(1)
 
+    def _logit_square_sum(self, dk: torch.Tensor) -> torch.Tensor:
+        """Per KV head: ``Σ (q'_i · dk_t)²`` over the INT2 pairs of its query heads, for rows ``dk [G, T, d]``."""
+        q = self.qr.reshape(dk.shape[0], -1, dk.shape[-1])
+        e = torch.bmm(q, dk.transpose(1, 2)).square_().mul_(self._int2_by_kv)
+        return e.sum(dim=(1, 2))
+
+    def _output_square_sum(self, dv: torch.Tensor) -> torch.Tensor:
+        """Per KV head: ``Σ_i ||Σ_t p_it dv_t||²`` over the INT2 rows of its query heads, for ``dv [G, T, d]``."""
+        return torch.bmm(self._p_int2_by_kv, dv).square_().sum(dim=(1, 2))
+
     def key_error(self, kq: torch.Tensor) -> torch.Tensor:
         """Per KV head: squared logit error over the INT2 pairs."""
-        dk = (kq - self.kr).repeat_interleave(self.rep, 0)
-        e = torch.einsum("hsd,htd->hst", self.qr, dk).square() * self.int2
-        return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
+        return self._logit_square_sum(kq - self.kr)
 
     def value_error(self, vq: torch.Tensor) -> torch.Tensor:
         """Per KV head: squared attention-output error from INT2 values."""
-        dv = (vq - self.vr).repeat_interleave(self.rep, 0)
-        e = torch.einsum("hst,htd->hsd", self.probs * self.int2, dv).square()
-        return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
+        return self._output_square_sum(vq - self.vr)
 
     def output_error(self, kq: torch.Tensor | None, vq: torch.Tensor | None, v_rot: torch.Tensor,
                      w_o: torch.Tensor, scale: float) -> tuple[float, float]:
@@ -105,12 +115,10 @@ class RotatedSample:
         return float((project(out) - base).double().square().sum()), float(base.double().square().sum())
 
     def key_energy(self) -> torch.Tensor:
-        e = torch.einsum("hsd,htd->hst", self.qr, self.kr.repeat_interleave(self.rep, 0)).square() * self.int2
-        return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
+        return self._logit_square_sum(self.kr)
 
     def value_energy(self) -> torch.Tensor:
-        e = torch.einsum("hst,htd->hsd", self.probs * self.int2, self.vr.repeat_interleave(self.rep, 0)).square()
-        return e.sum(dim=(1, 2)).reshape(-1, self.rep).sum(-1)
+        return self._output_square_sum(self.vr)
 
 
 # --- error curves over the clip grid, per held-out group -----------------------------------------

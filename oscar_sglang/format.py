@@ -212,18 +212,9 @@ def clip_groups(x: torch.Tensor, clip_ratio: torch.Tensor | float | None, group_
     return torch.minimum(torch.maximum(g, mid - half), mid + half)
 
 
-def quantize(
-    x: torch.Tensor,
-    group_size: int | None = None,
-    clip_ratio: torch.Tensor | float | None = None,
-    bits: int = 2,
-    symmetric: bool = False,
-) -> QuantRows:
-    """Quantize ``x[..., d]`` to rows of ``bits``-bit codes (``symmetric``: scale only, zero implied).
-
-    ``clip_ratio`` is a float or a tensor broadcastable to ``x.shape[:-1] + (d // G,)``
-    (one ratio per row-group; e.g. shape ``[kv_heads, 1]`` for one level per head).
-    """
+def _codes(x: torch.Tensor, group_size: int | None, clip_ratio, bits: int, symmetric: bool):
+    """The format's steps 1-3 on ``x[..., d]``: float codes grouped ``[..., d // G, G]``, the fp16 scale and
+    zero (None for symmetric rows) and the float32 zero every code is read against."""
     d = x.shape[-1]
     group_size = d if group_size is None else group_size
     check_shape(d, group_size, bits)
@@ -245,7 +236,22 @@ def quantize(
         zf = zero.float().unsqueeze(-1)
     sf = scale.float().unsqueeze(-1)
     inv = torch.where(sf > 0, 1.0 / sf, torch.zeros_like(sf))
-    codes = torch.round((g - zf) * inv).clamp_(0, top)
+    return torch.round((g - zf) * inv).clamp_(0, top), scale, zero, zf
+
+
+def quantize(
+    x: torch.Tensor,
+    group_size: int | None = None,
+    clip_ratio: torch.Tensor | float | None = None,
+    bits: int = 2,
+    symmetric: bool = False,
+) -> QuantRows:
+    """Quantize ``x[..., d]`` to rows of ``bits``-bit codes (``symmetric``: scale only, zero implied).
+
+    ``clip_ratio`` is a float or a tensor broadcastable to ``x.shape[:-1] + (d // G,)``
+    (one ratio per row-group; e.g. shape ``[kv_heads, 1]`` for one level per head).
+    """
+    codes, scale, zero, _ = _codes(x, group_size, clip_ratio, bits, symmetric)
     return QuantRows(pack(codes.reshape(x.shape), bits), scale, zero, bits)
 
 
@@ -264,5 +270,10 @@ def fake_quantize(
     bits: int = 2,
     symmetric: bool = False,
 ) -> torch.Tensor:
-    """Round trip through the format, returned in ``x``'s dtype (for simulation and error reports)."""
-    return dequantize(quantize(x, group_size, clip_ratio, bits, symmetric), dtype=x.dtype)
+    """Round trip through the format, returned in ``x``'s dtype (for simulation and error reports).
+
+    The values :func:`dequantize` reads back from :func:`quantize`'s rows, bit for bit, without packing
+    the codes into bytes and out again (the calibration's clip search calls this thousands of times).
+    """
+    codes, scale, _, zf = _codes(x, group_size, clip_ratio, bits, symmetric)
+    return (zf + codes * scale.float().unsqueeze(-1)).reshape(x.shape).to(x.dtype)

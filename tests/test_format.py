@@ -252,3 +252,21 @@ def test_symmetric_rows_cost_16_bits_less_per_group_and_suit_centered_rows():
     assert e(sym, x) < 1.35 * e(asym, x)                 # centered: close to the stored-zero rows
     assert e(sym, x + 3.0) > 3 * e(asym, x + 3.0)        # offset rows waste the symmetric grid
     assert torch.equal(sym.fake_quantize(torch.zeros(2, 64)), torch.zeros(2, 64))
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_fake_quantize_is_the_stored_rows_read_back_bit_for_bit(bits, symmetric):
+    """fake_quantize skips packing the codes into bytes; its values are dequantize(quantize(x)) exactly, for
+    every format, per-row clip ratios, constant and all-zero rows, and half-precision input."""
+    torch.manual_seed(bits)
+    x = torch.randn(6, 4, 64) * torch.linspace(0.1, 4, 64) + 0.5
+    x[0, 1] = 0.0
+    x[2, 3] = 1.25
+    x[4, 0, 17] = -40.0
+    clip = torch.linspace(0.45, 1.0, 4).reshape(4, 1)
+    for group, ratio, dtype in ((None, None, torch.float32), (16, clip, torch.float32), (32, 0.8, torch.bfloat16)):
+        y = x.to(dtype)
+        got = fmt.fake_quantize(y, group, ratio, bits, symmetric)
+        assert got.dtype == dtype
+        assert torch.equal(got, fmt.dequantize(fmt.quantize(y, group, ratio, bits, symmetric), dtype)), (group, ratio)
