@@ -1,6 +1,6 @@
 """Compile every kernel for a CUDA target on a machine without a GPU (catches GPU-only compile errors).
 
-    .venv/bin/python -m oscar_sglang.kernels.compile_check [--arch 90]
+    .venv/bin/python -m oscar_sglang.kernels.compile_check [--arch 90] [--workers N]
 
 The interpreter runs kernels as numpy and accepts things the compiler
 refuses; this goes through Triton's real pipeline down to a cubin (ptxas)
@@ -246,26 +246,59 @@ def compile_launch(fn, args: tuple, kwargs: dict, target):
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=options)
 
 
-def compile_all(arch: int = 90, verbose: bool = True) -> list[dict]:
-    """Compile every recorded launch for ``sm_<arch>``; returns name, registers and spills per launch."""
+def _launch_info(label: str, fn, args: tuple, kwargs: dict, arch: int) -> dict:
+    """Compile one recorded launch for ``sm_<arch>``: its name, shared memory, registers, spills, residency."""
     from triton.backends.compiler import GPUTarget
 
+    kernel = compile_launch(fn, args, kwargs, GPUTarget("cuda", arch, 32))
+    info = {"launch": label, "kernel": fn.__name__, "shared": kernel.metadata.shared,
+            **_resource_usage(kernel.asm["cubin"])}
+    if "reg" in info:  # warps one multiprocessor holds (sm_80/sm_90 limits)
+        warps = kernel.metadata.num_warps
+        info["warps/SM"] = warps * resident_programs(info["reg"], info["shared"], warps)
+    return info
+
+
+_WORKER_LAUNCHES: list | None = None
+
+
+def _compile_nth(job: tuple[int, int]) -> dict:
+    """In a worker process: compile launch ``i`` of its own :func:`launches` (recorded once per process;
+    the same list in every process, since the launches depend only on shapes, dtypes and constants)."""
+    global _WORKER_LAUNCHES
+    if _WORKER_LAUNCHES is None:
+        _WORKER_LAUNCHES = launches()
+    i, arch = job
+    return _launch_info(*_WORKER_LAUNCHES[i], arch)
+
+
+def compile_all(arch: int = 90, verbose: bool = True, workers: int | None = None) -> list[dict]:
+    """Compile every recorded launch for ``sm_<arch>``; returns name, registers and spills per launch, in
+    :func:`launches`' order.  ``workers`` processes compile side by side (default: one per CPU core; each
+    compile is one thread of LLVM and ptxas, ~1 s, the write kernel's up to ~5 s)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_check must run without TRITON_INTERPRET=1")
-    target = GPUTarget("cuda", arch, 32)
-    results = []
-    for label, fn, args, kwargs in launches():
-        kernel = compile_launch(fn, args, kwargs, target)
-        info = {"launch": label, "kernel": fn.__name__, "shared": kernel.metadata.shared,
-                **_resource_usage(kernel.asm["cubin"])}
-        if "reg" in info:  # warps one multiprocessor holds (sm_80/sm_90 limits)
-            warps = kernel.metadata.num_warps
-            info["warps/SM"] = warps * resident_programs(info["reg"], info["shared"], warps)
-        results.append(info)
+    recorded = launches()
+    workers = max(1, min(workers or os.cpu_count() or 1, len(recorded)))
+
+    def report(info):
         if verbose:
-            print(f"{label:40s} {fn.__name__:22s} " + " ".join(f"{k} {v}" for k, v in info.items()
-                                                               if k not in ("launch", "kernel")), flush=True)
-    return results
+            print(f"{info['launch']:40s} {info['kernel']:22s} " + " ".join(
+                f"{k} {v}" for k, v in info.items() if k not in ("launch", "kernel")), flush=True)
+        return info
+
+    if workers == 1:
+        return [report(_launch_info(*launch, arch)) for launch in recorded]
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        infos = pool.imap(_compile_nth, [(i, arch) for i in range(len(recorded))])
+        out = []
+        for (label, *_), info in zip(recorded, infos):
+            if info["launch"] != label:
+                raise RuntimeError(f"a worker recorded launch {info['launch']!r} where this process has {label!r}")
+            out.append(report(info))
+        return out
 
 
 def _resource_usage(cubin: bytes) -> dict:
@@ -404,11 +437,13 @@ def main(argv=None) -> int:
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 (A100), 90 (H100/H200)")
     p.add_argument("--sass", metavar="PATTERN", help="instead: the launches whose label contains PATTERN, with "
                    "static instruction counts of their main loop from the SASS (loop_counts)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes compiling side by side (default: one per CPU core)")
     a = p.parse_args(argv)
     if a.sass is not None:
         print_loop_counts(a.sass, a.arch)
         return 0
-    compile_all(a.arch)
+    compile_all(a.arch, workers=a.workers)
     return 0
 
 
