@@ -11,10 +11,12 @@ whose teardown kills each server's whole process group):
   prompts and stops;
 * an oscar-int2 server under SGLang's scheduling (page size 16, chunked
   prefill of 64 tokens, SGLang's forced retraction, a Hadamard artifact with
-  mixed per-layer formats) and a window wider than its prompts, so that every
-  read is a BF16 row: a long prompt in chunks and the factual prompts at once
-  must answer like the BF16 server (the fast form of
-  ``test_sglang_scheduling.py``);
+  mixed per-layer formats), its prefill through the sdpa path (the default on
+  CUDA; ``OSCAR_SGLANG_EXTEND_KERNEL=sdpa``), and a window wider than its
+  prompts, so that every read is a BF16 row: a long prompt in chunks and the
+  factual prompts at once must answer like the BF16 server (the fast form of
+  ``test_sglang_scheduling.py``, where the long prompt is also served through
+  the torch reference's extend);
 * an oscar-int2 server with Hadamard rotations (``--enable-cache-report``,
   ``--enable-metrics``), which stays up for the plugin, prefix-cache,
   concurrency and hot-pool bookkeeping tests.
@@ -278,32 +280,19 @@ def calibrated_run(model_dir, calibrated, bf16_answers, tmp_path_factory):
 @pytest.fixture(scope="module")
 def scheduled_run(model_dir, rotations, bf16_answers, tmp_path_factory):
     """The mixed-format INT2 server with page size 16, chunked prefill and SGLang's forced retraction (every
-    third forward pass retracts the running decode requests, which prefill again later), window WIDE:
-    the long prompt in chunks, then the factual prompts all at once (it stops afterwards)."""
+    third forward pass retracts the running decode requests, which prefill again later), its extend passes
+    through the sdpa path (OSCAR_SGLANG_EXTEND_KERNEL=sdpa, as on CUDA by default), window WIDE: the long
+    prompt in chunks, then the factual prompts all at once (it stops afterwards)."""
     log = tmp_path_factory.mktemp("int2-scheduled") / "server.log"
     with local_server(model_dir, log, "--max-total-tokens", "4096", "--kv-cache-dtype", "oscar-int2",
                       "--oscar-sink", str(SINK), "--oscar-recent", str(WIDE), "--oscar-rotations", str(rotations[2]),
-                      "--page-size", "16", "--chunked-prefill-size", str(CHUNK), env=retracting_env()) as url:
+                      "--page-size", "16", "--chunked-prefill-size", str(CHUNK),
+                      env={**retracting_env(), "OSCAR_SGLANG_EXTEND_KERNEL": "sdpa"}) as url:
         long = [_generate(url, LONG[0], N_LONG)]
         flush_cache(url)
         with concurrent.futures.ThreadPoolExecutor(len(FACTS)) as pool:
             batch = list(pool.map(lambda p: _generate(url, p, AGREE_TOKENS), FACTS))
     return {"long": long, "batch": batch, "log": log.read_text()}
-
-
-@pytest.fixture(scope="module")
-def sdpa_run(model_dir, rotations, bf16_answers, tmp_path_factory):
-    """The long prompt in chunks through the INT2 server whose extend passes take the sdpa path
-    (OSCAR_SGLANG_EXTEND_KERNEL=sdpa), window WIDE, page 16 (it stops afterwards)."""
-    from oscar_sglang.sglang.launcher import server_env
-
-    log = tmp_path_factory.mktemp("int2-sdpa") / "server.log"
-    with local_server(model_dir, log, *SERVER_FLAGS, "--kv-cache-dtype", "oscar-int2", "--oscar-sink", str(SINK),
-                      "--oscar-recent", str(WIDE), "--oscar-rotations", str(rotations[0]), "--page-size", "16",
-                      "--chunked-prefill-size", str(CHUNK),
-                      env={**server_env(), "OSCAR_SGLANG_EXTEND_KERNEL": "sdpa"}) as url:
-        long = [_generate(url, LONG[0], N_LONG)]
-    return {"long": long, "log": log.read_text()}
 
 
 @pytest.fixture(scope="module")
@@ -442,14 +431,14 @@ def test_chunked_prefill_and_retraction_answer_like_bf16(scheduled_run, bf16_ans
         _same_up_to_noise(ref, got, "8 at once, retracted and resumed (page 16) vs BF16 one at a time")
 
 
-def test_chunked_prefill_through_the_sdpa_path_answers_like_bf16(sdpa_run, bf16_answers):
+def test_chunked_prefill_through_the_sdpa_path_answers_like_bf16(scheduled_run, bf16_answers):
     """OSCAR_SGLANG_EXTEND_KERNEL=sdpa on the real server: every chunk's extend over its cached prefix runs
-    through kernels/extend/sdpa.py (the prefix dequantized, then torch SDPA), and with every read a BF16 row
-    the long answer is BF16's up to float noise."""
-    assert "oscar_int2 attention: extend through the sdpa path" in sdpa_run["log"], sdpa_run["log"][-4000:]
-    ref, got = bf16_answers["long"][0], sdpa_run["long"][0]
+    through kernels/extend/sdpa.py (the prefix dequantized, then torch SDPA), over mixed per-layer formats;
+    with every read a BF16 row the long answer is BF16's up to float noise (the test above)."""
+    log = scheduled_run["log"]
+    assert "oscar_int2 attention: extend through the sdpa path" in log, log[-4000:]
+    ref, got = bf16_answers["long"][0], scheduled_run["long"][0]
     assert got["prompt_tokens"] == ref["prompt_tokens"] > 5 * CHUNK
-    _same_up_to_noise(ref, got, "chunked prefill through the sdpa path vs BF16")
 
 
 # ---------------------------------------------------------------------------
