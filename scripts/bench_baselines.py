@@ -50,14 +50,16 @@ PAGE = 16
 # --------------------------------------------------------------------------- timing
 
 def timed_ms(fn: Callable[[], object], smoke: bool, warmup: int = 5, rep: float = 100,
-             cpu_runs: int = 2) -> float:
+             cpu_runs: int = 2, cpu_warmup: bool = True) -> float:
     """Milliseconds per call of ``fn``: triton's ``do_bench`` median on the GPU (``warmup``, ``rep`` ms);
-    with ``smoke`` (CPU, the interpreter) one warm-up call, then the best of ``cpu_runs`` wall-clock calls."""
+    with ``smoke`` (CPU, the interpreter) one warm-up call (unless not ``cpu_warmup``), then the best of
+    ``cpu_runs`` wall-clock calls."""
     if not smoke:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    fn()
+    if cpu_warmup:
+        fn()
     runs = []
     for _ in range(cpu_runs):
         t = time.perf_counter()
