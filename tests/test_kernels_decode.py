@@ -215,9 +215,10 @@ def test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference(pref
         if DEVICE == "cpu":  # the interpreter's fp32 dots are exact to 1e-6: the folded blocks did run
             assert err > 20 * (api.decode_attention(*args, **kw) - ref).abs().max().item(), i
         # the values unpacked before they are transposed: the same numbers (on a GPU another path through shared
-        # memory to the same dot operands; the interpreter runs the same code)
-        out_u = api.decode_attention(*args, fold=True, unpack_first=True, **kw)
-        assert (out_u - out).abs().max().item() <= 2**-14 * ref.abs().max().item(), i
+        # memory to the same dot operands; the interpreter runs the same code, without the PTX, so not there)
+        if DEVICE != "cpu":
+            out_u = api.decode_attention(*args, fold=True, unpack_first=True, **kw)
+            assert (out_u - out).abs().max().item() <= 2**-14 * ref.abs().max().item(), i
         if i == prefetch:  # the queries rotated inside the kernel (small grids), bf16 as a server passes them
             qb = q.bfloat16()
             out_in = api.decode_attention(qb, *args[1:], fold=True, rotate_q_in_kernel=True, **kw)
