@@ -18,14 +18,20 @@ if "TRITON_INTERPRET" not in os.environ:
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true",
                      help="also run the tests marked slow: the long forms of the server, scheduling, soak and "
-                          "calibration tests (the default run holds a fast form of each)")
+                          "calibration tests (the default run holds a fast form of each), and under Triton's "
+                          "interpreter the kernel grids' every case (slow_interpreted)")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Deselect the tests marked ``slow`` unless ``--slow`` is given or ``-m`` names the marker."""
+    """Deselect the tests marked ``slow`` unless ``--slow`` is given or ``-m`` names the marker; under Triton's
+    interpreter also those marked ``slow_interpreted`` (the kernel grids' cases outside their covering subset,
+    ``tests/case_grid.py``), which a GPU runs by default."""
     if config.getoption("--slow") or "slow" in (config.getoption("markexpr") or ""):
         return
-    slow = [item for item in items if item.get_closest_marker("slow")]
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    slow = [item for item in items
+            if item.get_closest_marker("slow") or (interpreted and item.get_closest_marker("slow_interpreted"))]
     if slow:
         config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        left_out = set(map(id, slow))
+        items[:] = [item for item in items if id(item) not in left_out]

@@ -6,11 +6,14 @@ plain attention).  bf16 queries/outputs: within bf16 rounding (2^-7 relative).
 
 Key and value formats rotate through the cases (INT2 with groups d, 64, 32,
 and the mixed pairs: K INT4 + V INT2, K INT2/g16 + V INT4/g32, INT8 both,
-K INT8 + V INT2/g32), each with both head sizes.
+K INT8 + V INT2/g32), each with both head sizes.  Under the interpreter the default run takes a covering
+subset of the grid (every pair of head size, GQA, page size and hot entries; every format and split count:
+``tests/case_grid.py``); a GPU, and ``--slow``, every case.
 """
 
 import itertools
 
+import case_grid
 import pytest
 import torch
 from kernel_device import DEVICE
@@ -56,6 +59,9 @@ LENS = [1, 2, 15, 17, 37, 50]  # 1, 2, page-1, page+1, odd, and across splits of
 # their values (FORMATS; 1 to 5 splits) so each appears with both head sizes.
 CASES = [(d, gqa, page, hot, FORMATS[i % len(FORMATS)], 1 + i % 5)
          for i, (d, gqa, page, hot) in enumerate(itertools.product((64, 128), (1, 3, 8), (1, 16), (True, False)))]
+# under the interpreter by default: every pair of d, GQA, page size and hot entries, every format and split count
+FAST = case_grid.covering_subset(CASES, [lambda c: c[0], lambda c: c[1], lambda c: c[2], lambda c: c[3]],
+                                 [lambda c: c[4], lambda c: c[5]])
 
 
 def _case_id(c):
@@ -63,7 +69,7 @@ def _case_id(c):
     return f"d{d}-gqa{gqa}-page{page}-{'hot' if hot else 'cold'}-K{kf.name(d)}-V{vf.name(d)}-s{splits}"
 
 
-@pytest.mark.parametrize("d,gqa,page,hot,formats,splits", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("d,gqa,page,hot,formats,splits", case_grid.params(CASES, FAST, _case_id))
 def test_decode_kernel_matches_reference(d, gqa, page, hot, formats, splits):
     seed = d + 10 * gqa + page
     paged, rot, store = build(LENS, d, None, page, hot, seed, formats=formats)

@@ -14,7 +14,9 @@ attention (no prefix: everything exact) and against decode.
 
 Key and value formats of the cached prefix rotate through the cases as in
 the decode tests (INT2 with groups d, 64, 32, and the mixed pairs), each with
-both head sizes; the split-K cases use mixed formats.
+both head sizes; the split-K cases use mixed formats.  Under the interpreter the default run takes a
+covering subset of the main grid (every pair of head size, GQA, page size and hot entries; every format:
+``tests/case_grid.py``); a GPU, and ``--slow``, every case.
 """
 
 import itertools
@@ -22,6 +24,7 @@ import os
 import subprocess
 import sys
 
+import case_grid
 import pytest
 import torch
 from kernel_device import DEVICE
@@ -71,6 +74,9 @@ EXTEND = [17, 2, 1, 16, 5]  # across BLOCK_M (16 rows / padded group) and BLOCK_
 # Full product of d, GQA ratio, page size and hot entries; formats rotate through FORMATS.
 CASES = [(d, gqa, page, hot, FORMATS[i % len(FORMATS)])
          for i, (d, gqa, page, hot) in enumerate(itertools.product((64, 128), (1, 3, 8), (1, 16), (True, False)))]
+# under the interpreter by default: every pair of d, GQA, page size and hot entries, and every format
+FAST = case_grid.covering_subset(CASES, [lambda c: c[0], lambda c: c[1], lambda c: c[2], lambda c: c[3]],
+                                 [lambda c: c[4]])
 
 
 def _case_id(c):
@@ -83,7 +89,7 @@ def tolerance(dots):
 
 
 @pytest.mark.parametrize("dots", ["tf32", "bf16"])
-@pytest.mark.parametrize("d,gqa,page,hot,formats", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("d,gqa,page,hot,formats", case_grid.params(CASES, FAST, _case_id))
 def test_extend_kernel_matches_reference(d, gqa, page, hot, formats, dots):
     seed = d + gqa + page
     paged, rot, store = build(PREFIX, EXTEND, d, None, page, hot, seed, formats=formats)
