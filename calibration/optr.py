@@ -90,14 +90,20 @@ class _Prepared:
         per_head = cfg.kl_weight * kl + cfg.output_weight * out
         return per_head.reshape(-1, self.rep).sum(-1)  # [G]
 
-    def value_loss(self, p_q, r_v, clip, group) -> torch.Tensor:
+    def read_values_with(self, p_q: torch.Tensor) -> None:
+        """Fix the attention probabilities the value loss weighs with (those of the learned key rotation): their
+        INT2 part and the output energy they give the exact values, constant while the values are trained."""
+        self.p_q_int2 = p_q * self.int2
+        self.v_ref = torch.einsum("hst,hto->hso", p_q, self.vw).square().sum(dim=(1, 2)).clamp_min(1e-30)
+
+    def value_loss(self, r_v, clip, group) -> torch.Tensor:
+        """Per KV head: the output error of INT2 values under :meth:`read_values_with`'s probabilities."""
         vr = rot.rotate_kv(self.v, r_v)  # [T, G, d]
         dv = served.fake_quantize_ste(vr, group, clip) - vr
         dv = torch.einsum("tge,gde->tgd", dv, r_v)  # back to model space
         dvw = torch.einsum("thd,hdo->hto", dv.repeat_interleave(self.rep, 1), self.w_o)
-        err = torch.einsum("hst,hto->hso", p_q * self.int2, dvw).square().sum(dim=(1, 2))
-        ref = torch.einsum("hst,hto->hso", p_q, self.vw).square().sum(dim=(1, 2)).clamp_min(1e-30)
-        return (err / ref).reshape(-1, self.rep).sum(-1)
+        err = torch.einsum("hst,hto->hso", self.p_q_int2, dvw).square().sum(dim=(1, 2))
+        return (err / self.v_ref).reshape(-1, self.rep).sum(-1)
 
 
 def _learned(r0: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -154,9 +160,10 @@ def refine_layer(samples: list[LayerSample], r0_k: torch.Tensor, r0_v: torch.Ten
     r_k, k_before, k_after, k_keep = _train(lambda p, r: p.key_loss(r, kc, group, cfg), r0_k.float(), train,
                                             heldout, cfg)
     with torch.no_grad():
-        p_q = {id(p): p.probs_q(r_k, kc, group).exp() for p in prepared}
-    r_v, v_before, v_after, v_keep = _train(lambda p, r: p.value_loss(p_q[id(p)], r, vc, group), r0_v.float(),
-                                            train, heldout, cfg)
+        for p in prepared:
+            p.read_values_with(p.probs_q(r_k, kc, group).exp())
+    r_v, v_before, v_after, v_keep = _train(lambda p, r: p.value_loss(r, vc, group), r0_v.float(), train, heldout,
+                                            cfg)
     return {
         # matrix_exp in float32 drifts from orthogonal by ~1e-6: snap back in float64.
         "k_rotation": rot.nearest_orthogonal(r_k), "v_rotation": rot.nearest_orthogonal(r_v),
