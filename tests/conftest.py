@@ -25,12 +25,15 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """Deselect the tests marked ``slow`` unless ``--slow`` is given or ``-m`` names the marker; under Triton's
     interpreter also those marked ``slow_interpreted`` (the kernel grids' cases outside their covering subset,
-    ``tests/case_grid.py``), which a GPU runs by default."""
-    if config.getoption("--slow") or "slow" in (config.getoption("markexpr") or ""):
+    ``tests/case_grid.py``) unless ``--slow`` is given or ``-m`` names that marker; a GPU runs them by default."""
+    if config.getoption("--slow"):
         return
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    markexpr = config.getoption("markexpr") or ""
+    names_slow = "slow" in markexpr.replace("slow_interpreted", "")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and "slow_interpreted" not in markexpr
     slow = [item for item in items
-            if item.get_closest_marker("slow") or (interpreted and item.get_closest_marker("slow_interpreted"))]
+            if (item.get_closest_marker("slow") and not names_slow)
+            or (interpreted and item.get_closest_marker("slow_interpreted"))]
     if slow:
         config.hook.pytest_deselected(items=slow)
         left_out = set(map(id, slow))

@@ -42,3 +42,6 @@ def test_the_interpreter_runs_the_subsets_by_default_and_every_case_with_slow():
     default, every = selected(), selected("--slow")
     assert len(default) == len(FAST) and len(every) == len(CASES)
     assert set(default) < set(every)
+    # -m naming the other marker leaves these as by default; naming this one selects just the others
+    assert selected("-m", "not slow") == default
+    assert len(selected("-m", "slow_interpreted")) == len(CASES) - len(FAST)
