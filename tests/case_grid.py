@@ -12,14 +12,13 @@ import itertools
 import pytest
 
 
-def covering_subset(cases: list, pair_factors, single_factors=()) -> list[int]:
+def covering_subset(cases: list[tuple], pairs=(), singles=()) -> list[int]:
     """Indices (ascending) of a small subset of ``cases`` holding every pair of values that the full list
-    holds of any two of ``pair_factors`` and every value of each of ``single_factors`` (functions of a case);
+    holds at any two of the positions ``pairs`` and every value it holds at each position of ``singles``;
     picked greedily, the case that covers the most still uncovered first (the earliest on a tie)."""
     def needs(case):
-        vals = [f(case) for f in pair_factors]
-        pairs = {(i, j, vals[i], vals[j]) for i, j in itertools.combinations(range(len(vals)), 2)}
-        return pairs | {(k, f(case)) for k, f in enumerate(single_factors)}
+        return ({(i, j, case[i], case[j]) for i, j in itertools.combinations(pairs, 2)}
+                | {(k, case[k]) for k in singles})
 
     per_case = [needs(c) for c in cases]
     todo = set().union(*per_case)

@@ -14,15 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_covering_subset_holds_every_pair_and_every_value_of_the_full_grid():
     cases = [(d, gqa, page, hot, i % 9, 1 + i % 5)
              for i, (d, gqa, page, hot) in enumerate(itertools.product((64, 128), (1, 3, 8), (1, 16), (True, False)))]
-    pair = [lambda c, k=k: c[k] for k in range(4)]
-    fast = case_grid.covering_subset(cases, pair, [lambda c: c[4], lambda c: c[5]])
+    fast = case_grid.covering_subset(cases, pairs=(0, 1, 2, 3), singles=(4, 5))
     assert fast == sorted(set(fast)) and len(fast) < len(cases) / 2
     chosen = [cases[i] for i in fast]
     for a, b in itertools.combinations(range(4), 2):          # every pair the full product holds
         assert {(c[a], c[b]) for c in chosen} == {(c[a], c[b]) for c in cases}, (a, b)
     assert {c[4] for c in chosen} == set(range(9)) and {c[5] for c in chosen} == set(range(1, 6))
     # a grid that a single case covers: that case; an empty list of needs: nothing
-    assert case_grid.covering_subset([(1, 2), (1, 2)], pair[:2]) == [0]
+    assert case_grid.covering_subset([(1, 2), (1, 2)], pairs=(0, 1)) == [0]
     assert case_grid.covering_subset([(1,), (2,)], []) == []
 
 

@@ -60,8 +60,7 @@ LENS = [1, 2, 15, 17, 37, 50]  # 1, 2, page-1, page+1, odd, and across splits of
 CASES = [(d, gqa, page, hot, FORMATS[i % len(FORMATS)], 1 + i % 5)
          for i, (d, gqa, page, hot) in enumerate(itertools.product((64, 128), (1, 3, 8), (1, 16), (True, False)))]
 # under the interpreter by default: every pair of d, GQA, page size and hot entries, every format and split count
-FAST = case_grid.covering_subset(CASES, [lambda c: c[0], lambda c: c[1], lambda c: c[2], lambda c: c[3]],
-                                 [lambda c: c[4], lambda c: c[5]])
+FAST = case_grid.covering_subset(CASES, pairs=(0, 1, 2, 3), singles=(4, 5))
 
 
 def _case_id(c):

@@ -75,8 +75,7 @@ EXTEND = [17, 2, 1, 16, 5]  # across BLOCK_M (16 rows / padded group) and BLOCK_
 CASES = [(d, gqa, page, hot, FORMATS[i % len(FORMATS)])
          for i, (d, gqa, page, hot) in enumerate(itertools.product((64, 128), (1, 3, 8), (1, 16), (True, False)))]
 # under the interpreter by default: every pair of d, GQA, page size and hot entries, and every format
-FAST = case_grid.covering_subset(CASES, [lambda c: c[0], lambda c: c[1], lambda c: c[2], lambda c: c[3]],
-                                 [lambda c: c[4]])
+FAST = case_grid.covering_subset(CASES, pairs=(0, 1, 2, 3), singles=(4,))
 
 
 def _case_id(c):
