@@ -113,8 +113,9 @@ def test_page_names_the_device_every_step_the_goals_and_what_failed(tmp_path):
     assert "| batch-1 median ITL no worse than BF16's | " in page and "not measured" in page
     # the server report as a section of run1, its files copied beside the page
     assert "\n### Real SGLang servers, BF16 vs oscar-int2 (CPU (dry run)" in page
-    assert sorted(p.name for p in (docs / "gpu" / "run1").iterdir()) == ["serve_bench.json", "serve_bench.md",
-                                                                    "serve_bench.png"]
+    assert sorted(p.name for p in (docs / "gpu" / "2026-12-09" / "run1").iterdir()) == [
+        "serve_bench.json", "serve_bench.md", "serve_bench.png"]
+    assert "![serve_bench](gpu/2026-12-09/run1/serve_bench.png)" in page
     assert "no bench_kernels.json" in page
 
 
@@ -165,7 +166,29 @@ def test_a_rerun_is_recorded_beside_the_first_and_judged_with_it(tmp_path):
     assert "## run1: `device_check.sh, first run`" in page and f"## run2: `{cmd}`" in page
     assert "server results from: bf16: run1; oscar-int2: run2" in page
     assert "INT2 x21 1750 tok/s vs BF16 x3 333 tok/s: 5.25x" in page      # 21/12 ms vs 3/9 ms
-    assert (docs / "gpu" / "run2" / "serve_bench.json").is_file()
+    assert (docs / "gpu" / "2026-12-09" / "run2" / "serve_bench.json").is_file()
+
+
+def test_an_earlier_date_s_record_is_kept_and_the_same_date_s_replaced(tmp_path):
+    """A later session's record moves the page of an earlier date aside, its run folders untouched; recording the
+    same date again (after a rerun) replaces that date's page; a second page of a kept date is refused."""
+    out = _device_run(tmp_path, STEPS, only="kernel_tests servers bench_kernels")
+    docs = tmp_path / "docs"
+    (docs / "gpu" / "run1").mkdir(parents=True)          # an earlier record's folder (2026-12-04's layout)
+    (docs / "gpu" / "run1" / "serve_bench.md").write_text("# earlier\n")
+    (docs / "gpu_results.md").write_text("# GPU results (2026-12-04)\n\nearlier numbers\n")
+    page = record.record([out], docs, [], "2026-12-09")
+    assert (docs / "gpu_results_2026-12-04.md").read_text() == "# GPU results (2026-12-04)\n\nearlier numbers\n"
+    assert (docs / "gpu" / "run1" / "serve_bench.md").read_text() == "# earlier\n"
+    assert "Earlier records: [gpu_results_2026-12-04.md](gpu_results_2026-12-04.md)." in page.read_text()
+    page = record.record([out, out], docs, [], "2026-12-09")    # the same date again, with a rerun
+    assert page.read_text().startswith("# GPU results (2026-12-09)") and "## run2:" in page.read_text()
+    assert sorted(p.name for p in docs.glob("gpu_results*.md")) == ["gpu_results.md", "gpu_results_2026-12-04.md"]
+    assert "Earlier records: [gpu_results_2026-12-04.md]" in page.read_text()
+    (docs / "gpu_results.md").write_text("# GPU results (2026-12-04)\n\nanother\n")
+    with pytest.raises(SystemExit, match="exists already"):
+        record.record([out], docs, [], "2026-12-10")
+    assert (docs / "gpu_results.md").read_text() == "# GPU results (2026-12-04)\n\nanother\n"
 
 
 def test_a_folder_without_a_summary_is_refused(tmp_path):

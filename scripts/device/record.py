@@ -6,7 +6,10 @@
 Writes ``docs/gpu_results.md`` (``--out``): the date, the device, the exact command of each run, every step's
 exit code and time, the goal table (``goals.py`` over the folders), the server and kernel reports, the
 calibration's cost, and the log tail of every step that failed and of every server log with a traceback, read
-from ``device_check.tar.gz``; and copies each run's reports (``.md``, ``.json``, ``.png``) to ``docs/gpu/runN/``.
+from ``device_check.tar.gz``; and copies each run's reports (``.md``, ``.json``, ``.png``) to
+``docs/gpu/DATE/runN/``.  A page of another date already there is kept as ``docs/gpu_results_DATE.md`` (its run
+folders are left as they are): a later session's record never overwrites an earlier one's; recording the same
+date again (after a rerun) replaces that date's page and folders.
 Runs with a bare ``python3`` (the device run's files need no package), so it imports nothing of the project but
 ``goals.py`` beside it.
 """
@@ -205,11 +208,34 @@ def demote(markdown: str) -> str:
     return "\n".join("##" + ln if ln.startswith("#") else ln for ln in markdown.splitlines()) + "\n"
 
 
+PAGE_DATE = re.compile(r"# GPU results \((\d{4}-\d{2}-\d{2})\)")
+
+
+def keep_earlier_page(out: Path, date: str) -> Path | None:
+    """Move ``out/gpu_results.md`` to ``out/gpu_results_<its date>.md`` if it records another date than ``date``;
+    returns where it went (None: no page, or one of the same date, which the new record replaces)."""
+    page = out / "gpu_results.md"
+    if not page.is_file():
+        return None
+    m = PAGE_DATE.match(page.read_text())
+    if m and m.group(1) == date:
+        return None
+    kept = out / f"gpu_results_{m.group(1) if m else 'undated'}.md"
+    if kept.exists():
+        raise SystemExit(f"{page} records {m.group(1) if m else 'no date'}, and {kept} exists already: move one "
+                         "of them by hand first")
+    page.rename(kept)
+    return kept
+
+
 def record(folders: list[Path], out: Path, commands: list[str], date: str) -> Path:
-    """Write ``out/gpu_results.md`` and ``out/gpu/runN/`` from the runs' folders; returns the page's path."""
+    """Write ``out/gpu_results.md`` and ``out/gpu/DATE/runN/`` from the runs' folders, an earlier date's page kept
+    beside it (:func:`keep_earlier_page`); returns the page's path."""
     for folder in folders:
         if not (folder / "summary.txt").is_file():
             raise SystemExit(f"{folder}: no summary.txt (is this the device tool's files_at folder?)")
+    keep_earlier_page(out, date)
+    earlier = sorted(out.glob("gpu_results_*.md"), reverse=True)
     summaries = [parse_summary((f / "summary.txt").read_text()) for f in folders]
     logs = [read_logs(f) for f in folders]
     names = [f"run{i + 1}" for i in range(len(folders))]
@@ -218,12 +244,14 @@ def record(folders: list[Path], out: Path, commands: list[str], date: str) -> Pa
             *[f"Compiler{f' ({n})' if len(folders) > 1 else ''}: {compiler_line(sm)}."
               for n, sm in zip(names, summaries)], "",
             "Written by `python3 scripts/device/record.py " + " ".join(str(f) for f in folders) + "` from the "
-            "files the device tool brought back; each run's reports are copied to `docs/gpu/runN/`. "
-            "What the steps do and how the goals are judged: [GPU.md](GPU.md).", ""]
+            f"files the device tool brought back; each run's reports are copied to `docs/gpu/{date}/runN/`. "
+            "What the steps do and how the goals are judged: [GPU.md](GPU.md)."
+            + (" Earlier records: " + ", ".join(f"[{e.name}]({e.name})" for e in earlier) + "." if earlier else ""),
+            ""]
     page += ["## Goals", "", goals.goal_table(list(zip(names, folders))).rstrip(), ""]
     for i, (folder, summary, log, name) in enumerate(zip(folders, summaries, logs, names)):
         command = commands[i] if i < len(commands) else ("device tool: " + FIRST_COMMAND if i == 0 else "(not given)")
-        dest = out / "gpu" / name
+        dest = out / "gpu" / date / name
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
@@ -240,7 +268,7 @@ def record(folders: list[Path], out: Path, commands: list[str], date: str) -> Pa
             if md.is_file():
                 page += [demote(md.read_text())]
                 if (folder / f"{report}.png").is_file():
-                    page += [f"![{report}](gpu/{name}/{report}.png)", ""]
+                    page += [f"![{report}](gpu/{date}/{name}/{report}.png)", ""]
         if probe := probe_line(log):
             page += ["### Prefill probe (before the servers)", "", probe, ""]
         if cal := calibration_line(log):
