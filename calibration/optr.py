@@ -68,6 +68,13 @@ class _Prepared:
         self.logits_fp = logits.masked_fill(~self.allowed, float("-inf"))
         self.logp_fp = torch.log_softmax(self.logits_fp, -1)
         self.p_fp = self.logp_fp.exp()
+        # the losses take each KV head's query heads side by side, [G, rep * nq, ...]: one batched matmul per KV
+        # head's rows, without repeating them for every query head (nor summing their gradients back)
+        nq = self.q.shape[0]
+        self.q_by_kv = self.q.transpose(0, 1).reshape(g, self.rep * nq, -1).contiguous()   # [G, rep * nq, d]
+        # the logits outside INT2 (exact, or -inf where not allowed), and Σ_t p_fp log p_fp of the KL divergence
+        self.logits_kept = self.logits_fp.masked_fill(self.int2, float("-inf"))
+        self.p_logp_fp = (self.p_fp * self.logp_fp).nan_to_num(0.0).sum(-1)                # [H, nq]
         # ||x W_Oʰ||² = ||x Lʰ||² with Lʰ Lʰᵀ = W_Oʰ W_Oʰᵀ: a d x d factor instead of d x hidden.
         self.w_o = output_factors(w_o, h)  # [H, d, d]
         self.vw = torch.einsum("thd,hdo->hto", self.v.repeat_interleave(self.rep, 1), self.w_o)
@@ -75,17 +82,16 @@ class _Prepared:
 
     def probs_q(self, r_k, clip, group):
         """Attention probabilities of the served read path with key rotation ``r_k``."""
-        qr = rot.rotate_queries(self.q, r_k)  # [nq, H, d]
+        qr = torch.bmm(self.q_by_kv, r_k)  # [G, rep * nq, d]
         kr = rot.rotate_kv(self.k, r_k, self.k_mean)  # [T, G, d]
         kq = served.fake_quantize_ste(kr, group, clip)
-        lq = torch.einsum("shd,thd->hst", qr, kq.repeat_interleave(self.rep, 1)) * self.scale
-        logits = torch.where(self.exact, self.logits_fp, lq).masked_fill(~self.allowed, float("-inf"))
-        return torch.log_softmax(logits, -1)
+        lq = torch.bmm(qr, kq.permute(1, 2, 0)).reshape(self.logits_fp.shape) * self.scale  # [H, nq, T]
+        return torch.log_softmax(torch.where(self.int2, lq, self.logits_kept), -1)
 
     def key_loss(self, r_k, clip, group, cfg: OptRConfig) -> torch.Tensor:
         logp_q = self.probs_q(r_k, clip, group)
         p_q = logp_q.exp()
-        kl = (self.p_fp * (self.logp_fp - logp_q)).nan_to_num(0.0).sum(-1).mean(-1)  # [H]
+        kl = (self.p_logp_fp - (self.p_fp * logp_q.masked_fill(~self.allowed, 0.0)).sum(-1)).mean(-1)  # [H]
         out = torch.einsum("hst,hto->hso", p_q - self.p_fp, self.vw).square().sum(dim=(1, 2)) / self.ref_out
         per_head = cfg.kl_weight * kl + cfg.output_weight * out
         return per_head.reshape(-1, self.rep).sum(-1)  # [G]
@@ -93,16 +99,22 @@ class _Prepared:
     def read_values_with(self, p_q: torch.Tensor) -> None:
         """Fix the attention probabilities the value loss weighs with (those of the learned key rotation): their
         INT2 part and the output energy they give the exact values, constant while the values are trained."""
-        self.p_q_int2 = p_q * self.int2
+        g, t = self.k.shape[1], self.k.shape[0]
+        self.p_q_int2 = (p_q * self.int2).reshape(g, -1, t)  # [G, rep * nq, T]
         self.v_ref = torch.einsum("hst,hto->hso", p_q, self.vw).square().sum(dim=(1, 2)).clamp_min(1e-30)
 
     def value_loss(self, r_v, clip, group) -> torch.Tensor:
-        """Per KV head: the output error of INT2 values under :meth:`read_values_with`'s probabilities."""
+        """Per KV head: the output error of INT2 values under :meth:`read_values_with`'s probabilities.
+
+        ``||P ΔV R_Vᵀ Lʰ||²`` per query head, multiplied from the left: the INT2 weights times the rotated error
+        first (one batched matmul per KV head), then ``R_Vᵀ Lʰ`` (d x d) on those few rows, instead of the
+        error de-rotated and projected for every token and query head."""
         vr = rot.rotate_kv(self.v, r_v)  # [T, G, d]
         dv = served.fake_quantize_ste(vr, group, clip) - vr
-        dv = torch.einsum("tge,gde->tgd", dv, r_v)  # back to model space
-        dvw = torch.einsum("thd,hdo->hto", dv.repeat_interleave(self.rep, 1), self.w_o)
-        err = torch.einsum("hst,hto->hso", self.p_q_int2, dvw).square().sum(dim=(1, 2))
+        g, d = dv.shape[1], dv.shape[2]
+        y = torch.bmm(self.p_q_int2, dv.transpose(0, 1)).reshape(g, self.rep, -1, d)   # [G, rep, nq, e]
+        back = torch.einsum("gde,grdo->greo", r_v, self.w_o.reshape(g, self.rep, d, d))  # R_Vᵀ Lʰ: [G, rep, e, o]
+        err = torch.einsum("grse,greo->grso", y, back).square().sum(dim=(2, 3)).reshape(-1)  # [H]
         return (err / self.v_ref).reshape(-1, self.rep).sum(-1)
 
 
@@ -125,7 +137,8 @@ def _train(loss_fn, r0: torch.Tensor, train, heldout, cfg: OptRConfig):
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(cfg.steps, 1))
     for _ in range(cfg.steps):
         opt.zero_grad()
-        per_head = sum(loss_fn(p, _learned(r0, a)) for p in train)
+        r = _learned(r0, a)  # one matrix exponential per step, shared by the sequences' losses
+        per_head = sum(loss_fn(p, r) for p in train)
         with torch.no_grad():
             better = per_head.detach() < best
             best = torch.where(better, per_head.detach(), best)

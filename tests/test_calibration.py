@@ -281,3 +281,62 @@ def test_key_scaling_is_searched_held_out_and_stored(tiny, tmp_path):
     ref = _logits(tiny, ids)
     with simulate.simulated(tiny, simulate.SimState(loaded, quantize=False)):
         assert torch.allclose(_logits(tiny, ids), ref, atol=1e-4)
+
+
+def _optr_losses_by_the_formula(s, k_mean, w_o, sink, recent, scale, pos, r_k, r_v, clip, cfg):
+    """OptR's key and value losses per KV head, one query head at a time, as METHOD.md and ``optr``'s docstring
+    state them (float64 after the rounding, which is the served read path's, in float32)."""
+    q, k, v = s.q.float()[:, pos], s.k.float(), s.v.float()            # [H, nq, d], [G, T, d]
+    heads, groups, t = q.shape[0], k.shape[0], k.shape[1]
+    rep = heads // groups
+    allowed = served.causal_mask(pos, t)
+    int2 = allowed & ~served.decode_exact_mask(pos, t, sink, recent)
+    factors = optr.output_factors(w_o, heads).double()
+    kr = rot.rotate_kv(k.transpose(0, 1), r_k, k_mean).transpose(0, 1)
+    kq = served.fake_quantize_ste(kr.transpose(0, 1), None, clip).transpose(0, 1).double()
+    vr = rot.rotate_kv(v.transpose(0, 1), r_v).transpose(0, 1)
+    dv = (served.fake_quantize_ste(vr.transpose(0, 1), None, clip).transpose(0, 1) - vr).double()
+    key = [0.0] * groups
+    value = [0.0] * groups
+    for h in range(heads):
+        g = h // rep
+        exact_logits = (q[h].double() @ (k[g].double() - k_mean[g].double()).T) * scale
+        rotated = ((q[h].double() @ r_k[g].double()) @ kq[g].T) * scale
+        p_fp = torch.softmax(exact_logits.masked_fill(~allowed, float("-inf")), -1)
+        p_q = torch.softmax(torch.where(int2, rotated, exact_logits).masked_fill(~allowed, float("-inf")), -1)
+        kl = torch.where(allowed, p_fp * (p_fp.clamp_min(1e-300).log() - p_q.clamp_min(1e-300).log()), 0).sum(-1)
+        vl = v[g].double() @ factors[h]
+        out = ((p_q - p_fp) @ vl).square().sum() / (p_fp @ vl).square().sum()
+        key[g] = key[g] + cfg.kl_weight * kl.mean() + cfg.output_weight * out
+        err = ((p_q.detach() * int2) @ (dv[g] @ r_v[g].double().T) @ factors[h]).square().sum()
+        value[g] = value[g] + err / (p_q.detach() @ vl).square().sum()
+    return torch.stack(key), torch.stack(value)
+
+
+def test_optr_losses_and_their_gradients_are_the_formula():
+    """``_Prepared.key_loss``/``value_loss`` (batched over each KV head's query heads, the value error multiplied
+    from the left) against the losses written out per query head: values and gradients of the rotations."""
+    torch.manual_seed(3)
+    heads, groups, d, t, sink, recent = 6, 2, 16, 40, 4, 8
+    s = optr.LayerSample(torch.randn(heads, t, d).bfloat16(), (torch.randn(groups, t, d) + 0.5).bfloat16(),
+                         torch.randn(groups, t, d).bfloat16())
+    w_o = torch.randn(24, heads * d) / 8
+    k_mean = s.k.float().mean(1)
+    pos = fit.query_positions(t, sink, recent, 20, torch.Generator().manual_seed(0))
+    cfg = optr.OptRConfig()
+    clip = torch.full((groups, 1), 0.8)
+    prepared = optr._Prepared(s, k_mean, w_o, sink, recent, d ** -0.5, pos)
+    r_k0, r_v0 = (torch.linalg.qr(torch.randn(groups, d, d))[0] for _ in range(2))
+    a_k = (0.05 * torch.randn(groups, d, d)).requires_grad_(True)
+    a_v = (0.05 * torch.randn(groups, d, d)).requires_grad_(True)
+    r_k, r_v = optr._learned(r_k0, a_k), optr._learned(r_v0, a_v)
+    with torch.no_grad():
+        prepared.read_values_with(prepared.probs_q(r_k, clip, None).exp())
+    got_k, got_v = prepared.key_loss(r_k, clip, None, cfg), prepared.value_loss(r_v, clip, None)
+    want_k, want_v = _optr_losses_by_the_formula(s, k_mean, w_o, sink, recent, d ** -0.5, pos, r_k, r_v, clip, cfg)
+    torch.testing.assert_close(got_k.double(), want_k, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(got_v.double(), want_v, rtol=1e-4, atol=1e-7)
+    for got, want, a in ((got_k, want_k, a_k), (got_v, want_v, a_v)):
+        g_got, = torch.autograd.grad(got.sum(), a, retain_graph=True)
+        g_want, = torch.autograd.grad(want.sum(), a, retain_graph=True)
+        torch.testing.assert_close(g_got, g_want, rtol=2e-3, atol=2e-3 * g_want.abs().max().item())
