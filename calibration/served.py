@@ -80,6 +80,12 @@ def mixed_attention(qr: torch.Tensor, kr: torch.Tensor, kq: torch.Tensor, vr: to
     logits = torch.where(exact, logits_x, logits_q) * scale
     logits = logits.masked_fill(~allowed, float("-inf"))
     p = torch.softmax(logits, dim=-1)
-    px = p * exact
-    out = torch.einsum("...hst,...htd->...hsd", px, vr) + torch.einsum("...hst,...htd->...hsd", p - px, vq)
+    out = mixed_output(p, exact, vr, vq)
     return (out, p) if return_probs else out
+
+
+def mixed_output(p: torch.Tensor, exact: torch.Tensor, vr: torch.Tensor, vq: torch.Tensor) -> torch.Tensor:
+    """:func:`mixed_attention`'s output from its probabilities ``p[..., H, s, T]``: the exact value rows where
+    ``exact``, the quantized ones elsewhere."""
+    px = p * exact
+    return torch.einsum("...hst,...htd->...hsd", px, vr) + torch.einsum("...hst,...htd->...hsd", p - px, vq)

@@ -95,6 +95,7 @@ def _sample(seed, t=96, d=32, kv=2, q_heads=4):
 
 
 def test_output_error_matches_attention_after_w_o_computed_directly():
+    """Keys, values or both read quantized (the policy measures one side at a time, the other exact)."""
     d, kv, h, sink, recent = 32, 2, 4, 4, 8
     s = _sample(0)
     g = torch.Generator().manual_seed(3)
@@ -107,28 +108,37 @@ def test_output_error_matches_attention_after_w_o_computed_directly():
     r = fit.RotatedSample(s, r_k, r_v, mu, sink, recent, scale, pos)
     kq = fmt.fake_quantize(r.kr, 16, 0.9, bits=2)
     vq = fmt.fake_quantize(r.vr, None, None, bits=4)
-    e, ref = r.output_error(kq, vq, r_v, w_o, scale)
-    # direct: un-rotate the dequantized rows (k = kq R^T + mu, v = vq R^T), attend per query, project by W_O
-    k_hat = torch.einsum("gtd,ged->gte", kq, r_k) + mu[:, None]
-    v_hat = torch.einsum("gtd,ged->gte", vq, r_v)
-    err2 = ref2 = 0.0
-    for i in pos.tolist():
-        rows_e, rows_r = [], []
-        for head in range(h):
-            gi = head // (h // kv)
-            keys = torch.where(served.decode_exact_mask(torch.tensor([i]), i + 1, sink, recent)[0, :, None],
-                               s.k[gi, :i + 1], k_hat[gi, :i + 1])
-            vals = torch.where(served.decode_exact_mask(torch.tensor([i]), i + 1, sink, recent)[0, :, None],
-                               s.v[gi, :i + 1], v_hat[gi, :i + 1])
-            p_hat = torch.softmax(keys @ s.q[head, i] * scale, 0)
-            p = torch.softmax(s.k[gi, :i + 1] @ s.q[head, i] * scale, 0)
-            rows_e.append(p_hat @ vals)
-            rows_r.append(p @ s.v[gi, :i + 1])
-        o_hat, o = torch.cat(rows_e) @ w_o.T, torch.cat(rows_r) @ w_o.T
-        err2 += float((o_hat - o).double().square().sum())
-        ref2 += float(o.double().square().sum())
-    assert e == pytest.approx(err2, rel=1e-3) and ref == pytest.approx(ref2, rel=1e-4)
+
+    def direct(kq, vq):
+        """Un-rotate the dequantized rows (k = kq R^T + mu, v = vq R^T), attend per query, project by W_O."""
+        k_hat = s.k if kq is None else torch.einsum("gtd,ged->gte", kq, r_k) + mu[:, None]
+        v_hat = s.v if vq is None else torch.einsum("gtd,ged->gte", vq, r_v)
+        err2 = ref2 = 0.0
+        for i in pos.tolist():
+            rows_e, rows_r = [], []
+            exact = served.decode_exact_mask(torch.tensor([i]), i + 1, sink, recent)[0, :, None]
+            for head in range(h):
+                gi = head // (h // kv)
+                keys = torch.where(exact, s.k[gi, :i + 1], k_hat[gi, :i + 1])
+                vals = torch.where(exact, s.v[gi, :i + 1], v_hat[gi, :i + 1])
+                p_hat = torch.softmax(keys @ s.q[head, i] * scale, 0)
+                p = torch.softmax(s.k[gi, :i + 1] @ s.q[head, i] * scale, 0)
+                rows_e.append(p_hat @ vals)
+                rows_r.append(p @ s.v[gi, :i + 1])
+            o_hat, o = torch.cat(rows_e) @ w_o.T, torch.cat(rows_r) @ w_o.T
+            err2 += float((o_hat - o).double().square().sum())
+            ref2 += float(o.double().square().sum())
+        return err2, ref2
+
+    for k_side, v_side in ((kq, vq), (None, vq), (kq, None), (kq, vq)):   # the last again: the cached reference
+        e, ref = r.output_error(k_side, v_side, r_v, w_o, scale)
+        err2, ref2 = direct(k_side, v_side)
+        assert e == pytest.approx(err2, rel=1e-3) and ref == pytest.approx(ref2, rel=1e-4)
     assert r.output_error(None, None, r_v, w_o, scale)[0] == pytest.approx(0, abs=1e-6 * ref)
+    # another projection: the reference is made again for it, not taken from the cache
+    e, ref = r.output_error(None, vq, r_v, 2 * w_o, scale)
+    err2, ref2 = direct(None, vq)
+    assert e == pytest.approx(4 * err2, rel=1e-3) and ref == pytest.approx(4 * ref2, rel=1e-4)
 
 
 def test_measured_error_falls_with_bits_and_the_data_free_clip_stays_valid():
