@@ -21,6 +21,7 @@ from . import served
 from .stats import LayerSample, LayerStats
 
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45)
+QUERY_BLOCK = 64  # query positions per block of the error measures (RotatedSample)
 
 
 def oscar_rotations(stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,10 +65,22 @@ class RotatedSample:
         logits = torch.einsum("hsd,htd->hst", self.qr, self.kr.repeat_interleave(self.rep, 0)) * scale
         self.probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
         self._reference = None  # output_error's exact output after W_O, for the (v_rot, w_o) it was made with
-        # the error measures take each KV head's query heads side by side, [G, rep * nq, ...]: one batched
-        # matmul over a KV head's rows, without repeating them for every query head
-        self._int2_by_kv = self.int2.float().repeat(self.rep, 1)                        # [rep * nq, T]
-        self._p_int2_by_kv = (self.probs * self.int2).reshape(g, -1, t)                # [G, rep * nq, T]
+        # the error measures take each KV head's query heads side by side, [G, rep * n, ...]: one batched
+        # matmul over a KV head's rows, without repeating them for every query head; and the queries in blocks of
+        # QUERY_BLOCK positions, each against the keys it reads from INT2 only ([lo, hi): past the sink, before
+        # its last query's recent window), not every key: about half the products at a decode's windows
+        self._blocks = []
+        for s0 in range(0, self.int2.shape[0], QUERY_BLOCK):
+            s1 = min(self.int2.shape[0], s0 + QUERY_BLOCK)
+            cols = self.int2[s0:s1].any(0).nonzero()
+            if cols.numel():
+                self._blocks.append((s0, s1, int(cols[0]), int(cols[-1]) + 1))
+        p_int2 = (self.probs * self.int2).reshape(g, self.rep, -1, t)
+        self._int2_blocks = [self.int2[s0:s1, lo:hi].float().repeat(self.rep, 1)    # [rep * n, hi - lo]
+                             for s0, s1, lo, hi in self._blocks]
+        self._p_int2_blocks = [p_int2[:, :, s0:s1, lo:hi].reshape(g, -1, hi - lo)    # [G, rep * n, hi - lo]
+                               for s0, s1, lo, hi in self._blocks]
+        self._q_blocks_of, self._q_blocks = None, []  # self.qr's blocks (rescale_keys replaces self.qr)
 
     def rescale_keys(self, k_scale: torch.Tensor) -> None:
         """Multiply the key channels by ``k_scale [G, d]`` and divide the queries' by it (logits unchanged)."""
@@ -76,13 +89,22 @@ class RotatedSample:
 
     def _logit_square_sum(self, dk: torch.Tensor) -> torch.Tensor:
         """Per KV head: ``Σ (q'_i · dk_t)²`` over the INT2 pairs of its query heads, for rows ``dk [G, T, d]``."""
-        q = self.qr.reshape(dk.shape[0], -1, dk.shape[-1])
-        e = torch.bmm(q, dk.transpose(1, 2)).square_().mul_(self._int2_by_kv)
-        return e.sum(dim=(1, 2))
+        g, d = dk.shape[0], dk.shape[-1]
+        if self._q_blocks_of is not self.qr:
+            q = self.qr.reshape(g, self.rep, -1, d)
+            self._q_blocks = [q[:, :, s0:s1].reshape(g, -1, d) for s0, s1, _, _ in self._blocks]
+            self._q_blocks_of = self.qr
+        total = torch.zeros(g, dtype=dk.dtype, device=dk.device)
+        for q, mask, (_, _, lo, hi) in zip(self._q_blocks, self._int2_blocks, self._blocks):
+            total += torch.bmm(q, dk[:, lo:hi].transpose(1, 2)).square_().mul_(mask).sum(dim=(1, 2))
+        return total
 
     def _output_square_sum(self, dv: torch.Tensor) -> torch.Tensor:
         """Per KV head: ``Σ_i ||Σ_t p_it dv_t||²`` over the INT2 rows of its query heads, for ``dv [G, T, d]``."""
-        return torch.bmm(self._p_int2_by_kv, dv).square_().sum(dim=(1, 2))
+        total = torch.zeros(dv.shape[0], dtype=dv.dtype, device=dv.device)
+        for p, (_, _, lo, hi) in zip(self._p_int2_blocks, self._blocks):
+            total += torch.bmm(p, dv[:, lo:hi]).square_().sum(dim=(1, 2))
+        return total
 
     def key_error(self, kq: torch.Tensor) -> torch.Tensor:
         """Per KV head: squared logit error over the INT2 pairs."""

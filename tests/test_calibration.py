@@ -340,3 +340,35 @@ def test_optr_losses_and_their_gradients_are_the_formula():
         g_got, = torch.autograd.grad(got.sum(), a, retain_graph=True)
         g_want, = torch.autograd.grad(want.sum(), a, retain_graph=True)
         torch.testing.assert_close(g_got, g_want, rtol=2e-3, atol=2e-3 * g_want.abs().max().item())
+
+
+def test_error_measures_over_query_blocks_are_the_full_sums():
+    """The clip search's error measures, computed per block of query positions over the keys each block reads from
+    INT2, equal the sums over every (query head, query, key) pair written out; also after the keys are rescaled
+    (key scaling replaces the queries, and the blocks follow)."""
+    torch.manual_seed(1)
+    heads, groups, d, t, sink, recent = 6, 2, 16, 400, 8, 32
+    s = optr.LayerSample(torch.randn(heads, t, d).bfloat16(), torch.randn(groups, t, d).bfloat16(),
+                         torch.randn(groups, t, d).bfloat16())
+    r_k, r_v = (torch.linalg.qr(torch.randn(groups, d, d))[0] for _ in range(2))
+    pos = fit.query_positions(t, sink, recent, 150, torch.Generator().manual_seed(0))
+    r = fit.RotatedSample(s, r_k, r_v, s.k.float().mean(1), sink, recent, d ** -0.5, pos)
+    assert len(r._blocks) == 3                                       # 150 queries, blocks of 64
+    assert sum((s1 - s0) * (hi - lo) for s0, s1, lo, hi in r._blocks) < 0.8 * len(pos) * t
+    dk, dv = torch.randn(groups, t, d), torch.randn(groups, t, d)
+
+    def direct():
+        key = torch.zeros(groups, dtype=torch.float64)
+        value = torch.zeros(groups, dtype=torch.float64)
+        for h in range(heads):
+            g = h // (heads // groups)
+            key[g] += ((r.qr[h].double() @ dk[g].double().T).square() * r.int2).sum()
+            value[g] += ((r.probs[h].double() * r.int2) @ dv[g].double()).square().sum()
+        return key, value
+
+    key, value = direct()
+    torch.testing.assert_close(r._logit_square_sum(dk).double(), key, rtol=1e-5, atol=0)
+    torch.testing.assert_close(r._output_square_sum(dv).double(), value, rtol=1e-5, atol=0)
+    torch.testing.assert_close(r.key_error(r.kr + dk).double(), key, rtol=1e-4, atol=0)
+    r.rescale_keys(torch.rand(groups, d) + 0.5)
+    torch.testing.assert_close(r._logit_square_sum(dk).double(), direct()[0], rtol=1e-5, atol=0)
