@@ -130,6 +130,11 @@ def test_the_prefill_probe_s_choice_and_the_calibration_cost_are_on_the_page(tmp
     cal = {"model": "llama3-8b", "parameters": 8.03e9, "dtype": "bfloat16", "device_name": "NVIDIA H200",
            "method": "oscar-center", "tokens": 8192, "capture_s": 12.5, "total_s": 40.1, "peak_gpu_mb": 17000,
            "peak_rss_mb": 9000, "command": "calibrate_bench.py --tokens 8192"}
+    # a report from before 2026-12-06 (no stages per layer) still makes its line
+    assert record.calibration_line({"calibrate_bench.json": json.dumps(cal)}).startswith(
+        "llama3-8b (8.03 B parameters, random weights, bfloat16) on NVIDIA H200: oscar-center over 8192 tokens, "
+        "capture 12.5 s, whole pipeline 40.1 s")
+    cal.update(layers=32, fit_s=24.0, fit_s_per_layer=0.75, policy_s=None, policy_s_per_layer=None)
     (res / "calibrate_bench.json").write_text(json.dumps(cal))
     out = _device_run(tmp_path, "step prefill_probe 60 bash -c 'echo choice=sdpa'")
     page = record.record([out], tmp_path / "docs", [], "2026-12-09").read_text()
@@ -137,7 +142,9 @@ def test_the_prefill_probe_s_choice_and_the_calibration_cost_are_on_the_page(tmp
             "d 128) on NVIDIA H200: Triton extend kernel 9.50 ms, sdpa path 6.25 ms (KV heads as they are), max "
             "relative difference "
             "4.0e-03; the INT2 server's prefill: **sdpa** (the sdpa path is 1.52x as fast (>= 1.2))") in page
-    assert "### Calibration cost\n\nllama3-8b (8.03 B parameters, random weights, bfloat16) on NVIDIA H200" in page
+    assert ("### Calibration cost\n\nllama3-8b (8.03 B parameters, 32 layers, random weights, bfloat16) on NVIDIA "
+            "H200: oscar-center over 8192 tokens, capture 12.5 s, fit 24.0 s (0.75 s per layer), whole pipeline 40.1 s"
+            ) in page
     assert record.probe_line({}) is None and record.probe_line({"prefill_probe.json": "{"}) is None
 
 

@@ -179,8 +179,12 @@ def calibration_line(logs: dict[str, str]) -> str | None:
     if not c:
         return None
     gpu = "" if c.get("peak_gpu_mb") is None else f", peak GPU memory {c['peak_gpu_mb']} MB"
-    return (f"{c['model']} ({c['parameters'] / 1e9:.2f} B parameters, random weights, {c['dtype']}) on "
-            f"{c['device_name']}: {c['method']} over {c['tokens']} tokens, capture {c['capture_s']} s, whole "
+    stages = "".join(f", {name} {c[key]} s ({c[key + '_per_layer']} s per layer)" for name, key in
+                     (("fit", "fit_s"), ("policy", "policy_s")) if c.get(key) is not None
+                     and c.get(key + "_per_layer") is not None)  # since 2026-12-06
+    layers = f", {c['layers']} layers" if c.get("layers") else ""
+    return (f"{c['model']} ({c['parameters'] / 1e9:.2f} B parameters{layers}, random weights, {c['dtype']}) on "
+            f"{c['device_name']}: {c['method']} over {c['tokens']} tokens, capture {c['capture_s']} s{stages}, whole "
             f"pipeline {c['total_s']} s{gpu}, peak RSS {c['peak_rss_mb']} MB (`{c['command']}`)")
 
 
