@@ -114,10 +114,14 @@ def main(argv=None) -> int:
         "command": "python " + " ".join([sys.argv[0]] + sys.argv[1:]),
     }
     (args.out / "calibrate_bench.json").write_text(json.dumps(result, indent=1))
-    policy = f", policy {result['policy_s']} s" if result["policy_s"] is not None else ""
+    per_layer = f"{result['fit_s_per_layer']} s"
+    policy = ""
+    if result["policy_s"] is not None:
+        policy = f", policy {result['policy_s']} s"
+        per_layer += f" + {result['policy_s_per_layer']} s"
     print(f"calibrated ({args.method}{'' if args.bits is None else f', {args.bits:g} bits'}, {result['tokens']} "
-          f"tokens, {layers} layers): capture {result['capture_s']} s, fit {fit_s} s{policy} "
-          f"({result['fit_s_per_layer']} + {result['policy_s_per_layer'] or 0} s per layer), "
+          f"tokens, {layers} layers): capture {result['capture_s']} s, fit {fit_s} s{policy} ({per_layer} per "
+          f"layer), "
           f"whole pipeline {result['total_s']} s; peak GPU memory {result['peak_gpu_mb']} MB, "
           f"peak RSS {result['peak_rss_mb']} MB", flush=True)
     return 0
