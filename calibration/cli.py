@@ -34,7 +34,7 @@ from .fit import query_positions
 from .optr import OptRConfig
 
 
-def _bits(text: str) -> float | None:
+def bits_budget(text: str) -> float | None:
     if text.lower() in ("int2", "none"):
         return None
     try:
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sink", type=int, default=art.DEFAULT_SINK, help="BF16 sink tokens served (default 64)")
     p.add_argument("--recent", type=int, default=art.DEFAULT_RECENT, help="BF16 recent tokens served (default 256)")
     p.add_argument("--group", type=int, default=None, help="quantization group size (default: head_dim)")
-    p.add_argument("--bits", type=_bits, default=DEFAULT_BITS,
+    p.add_argument("--bits", type=bits_budget, default=DEFAULT_BITS,
                    help="precision policy: average stored bits per K/V element over all layers (scale and zero "
                         f"included); per layer and K/V the best of INT2 / INT2 with smaller groups / INT4 / INT8 "
                         f"(default {DEFAULT_BITS}: capacity >= 5.5x BF16); 'int2': INT2 rows everywhere")

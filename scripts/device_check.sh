@@ -34,8 +34,8 @@
 #   bench_kernels  INT2 decode vs the best BF16 decode (Triton split-K, SDPA flash, FlashInfer if there),
 #                  bandwidth as a fraction of the measured copy bandwidth; prefill attention of a 32k prompt in
 #                  SGLang's 8k chunks, INT2 vs SGLang's Triton extend and SDPA (scripts/bench_kernels.py)
-#   calibration    the calibration pipeline's time and memory for that geometry, random weights built on the
-#                  GPU, 8k tokens of the bundle's text (scripts/device/calibrate_bench.py)
+#   calibration    oscar-calibrate's default pipeline's time and memory for that geometry's first 4 layers,
+#                  random weights built on the GPU, 20k tokens of the bundle's text (scripts/device/calibrate_bench.py)
 #   decode_variants  only when ONLY names it, before the kernel tests: the INT2 decode loop's variants and tiles
 #                  side by side with the BF16 decode (scripts/device/decode_variants.py, after run 1 found the
 #                  decode latency-bound)
@@ -315,9 +315,11 @@ if ! wanted calibration; then
 elif [ "$HAVE_MODELS" = 1 ] && [ "$cal_s" -lt 30 ]; then
     echo "== calibration: skipped (${cal_s} s left of DEVICE_LIMIT_S)" | tee -a "$RES/summary.txt"
 elif [ "$HAVE_MODELS" = 1 ]; then
+    # oscar-calibrate's default pipeline (OptR and the precision policy) on the geometry's first layers: the fit
+    # and the policy work layer by layer, so their seconds per layer scale to the whole model
     step calibration "$cal_s" "$PY" "$ROOT/scripts/device/calibrate_bench.py" \
         --model "$WORK/models/$GEOM" --text "$BUNDLE/sharegpt_shakespeare.json" --out "$RES" \
-        --tokens $([ "$GPU" = 1 ] && echo 8192 || echo 2048)
+        $([ "$GPU" = 1 ] && echo "--layers 4" || echo "--layers 1 --tokens 2048")
 fi
 # The one rerun the warm machine allows, decided from this run's summary and reports (docs/GPU.md, "After the
 # first run"): last in the output, so the device tool's reply shows it.

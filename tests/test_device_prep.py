@@ -142,3 +142,19 @@ def test_calibrate_bench_times_a_truncated_geometry_with_the_policy(tmp_path, ca
     assert "3 bits" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.parse_args(["--model", str(folder), "--text", "mix", "--out", str(out), "--layers", "0"])
+
+
+def test_calibrate_bench_defaults_to_the_pipeline_oscar_calibrate_runs(tmp_path):
+    """Without options the bench times what a user's ``oscar-calibrate`` runs: OptR with the precision policy at the
+    default budget, on as many tokens per sequence and in all; ``--bits int2`` leaves the policy out, as there."""
+    from oscar_sglang.calibration import cli
+    from oscar_sglang.calibration.policy import DEFAULT_BITS
+
+    bench = load_script("device/calibrate_bench.py")
+    base = ["--model", str(tmp_path), "--text", "mix", "--out", str(tmp_path)]
+    args, user = bench.parse_args(base), cli.build_parser().parse_args(["--out", str(tmp_path)])
+    assert (args.method, args.bits, args.tokens, args.seq_len) == (user.method, user.bits, user.tokens, user.seq_len)
+    assert (args.method, args.bits) == ("optr", DEFAULT_BITS)
+    assert bench.parse_args([*base, "--bits", "int2"]).bits is None
+    with pytest.raises(SystemExit):
+        bench.parse_args([*base, "--bits", "17"])

@@ -135,6 +135,13 @@ def test_the_prefill_probe_s_choice_and_the_calibration_cost_are_on_the_page(tmp
         "llama3-8b (8.03 B parameters, random weights, bfloat16) on NVIDIA H200: oscar-center over 8192 tokens, "
         "capture 12.5 s, whole pipeline 40.1 s")
     cal.update(layers=32, fit_s=24.0, fit_s_per_layer=0.75, policy_s=None, policy_s_per_layer=None)
+    no_policy = {"calibrate_bench.json": json.dumps({**cal, "bits": None})}
+    assert ": oscar-center over 8192 tokens, capture" in record.calibration_line(no_policy)
+    # since 2026-12-06 the step runs oscar-calibrate's default pipeline: the policy's budget and the fit's threads
+    line = record.calibration_line({"calibrate_bench.json": json.dumps(
+        {**cal, "method": "optr", "bits": 2.75, "threads": 16, "policy_s": 8.0, "policy_s_per_layer": 2.0})})
+    assert (": optr with the 2.75-bit policy over 8192 tokens (the fit on 16 CPU threads), capture 12.5 s, fit 24.0 s "
+            "(0.75 s per layer), policy 8.0 s (2.0 s per layer), whole pipeline") in line
     (res / "calibrate_bench.json").write_text(json.dumps(cal))
     out = _device_run(tmp_path, "step prefill_probe 60 bash -c 'echo choice=sdpa'")
     page = record.record([out], tmp_path / "docs", [], "2026-12-09").read_text()

@@ -1,7 +1,7 @@
 """Time the calibration pipeline where a model of a given geometry runs, with random weights (speed, not accuracy).
 
-    python scripts/device/calibrate_bench.py --model DIR --text FILE --out OUT [--tokens 8192] [--method oscar-center]
-        [--bits B] [--layers N] [--threads N] [--device cpu]
+    python scripts/device/calibrate_bench.py --model DIR --text FILE --out OUT [--tokens 20000] [--method optr]
+        [--bits 2.75|int2] [--layers N] [--threads N] [--device cpu]
 
 ``--model`` is a config-only folder (``scripts/dummy_models.py``): the model
 is built from its config directly on the device (``--device auto``: CUDA when
@@ -9,9 +9,10 @@ visible) in ``--dtype auto``, then ``oscar_sglang.calibration.calibrate``
 runs on ``--tokens`` tokens of ``--text`` (the bundle's ShareGPT-format
 Shakespeare file, a ``.txt``, or a data spec of ``oscar-calibrate --data``
 such as ``mix``): statistics capture on the device (float64 sums there), then
-the fit on the CPU. ``--bits`` adds the precision policy (symmetric rows
-allowed, as ``oscar-calibrate --bits`` does); ``--method optr --bits 2.75`` is
-``oscar-calibrate``'s default pipeline. ``--layers N`` builds only the first
+the fit on the CPU. The defaults of ``--tokens``, ``--seq-len``,
+``--method`` and ``--bits`` are ``oscar-calibrate``'s (its default pipeline:
+OptR and the precision policy, symmetric rows allowed); ``--bits int2``
+leaves the policy out. ``--layers N`` builds only the first
 ``N`` layers of the geometry: every stage but the capture works layer by layer,
 so ``N`` layers' fit and policy seconds scale to the whole model (the JSON gives
 them per layer). Prints and writes ``OUT/calibrate_bench.json``: build,
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from oscar_sglang import artifacts as art
+from oscar_sglang.calibration import cli as calibration_cli
 from oscar_sglang.calibration import data
 from oscar_sglang.calibration import model as model_io
 from oscar_sglang.calibration.calibrate import METHODS, CalibrationConfig, calibrate
@@ -43,12 +45,15 @@ def parse_args(argv=None):
     p.add_argument("--text", required=True,
                    help="ShareGPT-format JSON, a .txt file, or a data spec of oscar-calibrate --data (e.g. mix)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--method", default="oscar-center", choices=METHODS)
+    # the defaults are oscar-calibrate's own, so that the bench times the pipeline a user runs
+    cli = calibration_cli.build_parser()
+    p.add_argument("--tokens", type=int, default=cli.get_default("tokens"))
+    p.add_argument("--seq-len", type=int, default=cli.get_default("seq_len"))
+    p.add_argument("--method", default=cli.get_default("method"), choices=METHODS)
     p.add_argument("--device", default="auto", choices=model_io.DEVICES)
     p.add_argument("--dtype", default="auto", choices=("auto", *model_io.DTYPES))
-    p.add_argument("--bits", type=float, default=None, help="precision policy budget (default: none, all INT2)")
+    p.add_argument("--bits", type=calibration_cli.bits_budget, default=cli.get_default("bits"),
+                   help="precision policy budget, or 'int2' for none (default: oscar-calibrate's)")
     p.add_argument("--layers", type=int, default=None, help="build only the first N layers of the geometry")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)

@@ -183,9 +183,11 @@ def calibration_line(logs: dict[str, str]) -> str | None:
                      (("fit", "fit_s"), ("policy", "policy_s")) if c.get(key) is not None
                      and c.get(key + "_per_layer") is not None)  # since 2026-12-06
     layers = f", {c['layers']} layers" if c.get("layers") else ""
+    bits = f" with the {c['bits']:g}-bit policy" if c.get("bits") is not None else ""
+    threads = f" (the fit on {c['threads']} CPU threads)" if c.get("threads") else ""
     return (f"{c['model']} ({c['parameters'] / 1e9:.2f} B parameters{layers}, random weights, {c['dtype']}) on "
-            f"{c['device_name']}: {c['method']} over {c['tokens']} tokens, capture {c['capture_s']} s{stages}, whole "
-            f"pipeline {c['total_s']} s{gpu}, peak RSS {c['peak_rss_mb']} MB (`{c['command']}`)")
+            f"{c['device_name']}: {c['method']}{bits} over {c['tokens']} tokens{threads}, capture {c['capture_s']} s"
+            f"{stages}, whole pipeline {c['total_s']} s{gpu}, peak RSS {c['peak_rss_mb']} MB (`{c['command']}`)")
 
 
 def probe_line(logs: dict[str, str]) -> str | None:
