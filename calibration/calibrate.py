@@ -150,7 +150,7 @@ def collect_statistics(model, sequences, cfg: CalibrationConfig, progress=True) 
                                        cfg.value_weighting, k)
             with capture.tapped(model, collector):
                 for ids in seqs:
-                    model(ids.reshape(1, -1).to(model.device), use_cache=False)
+                    capture.run_layers(model, ids)
                     bar.update(1)
             for st in collector.layers:  # the fit runs on the CPU (small d x d problems per KV head)
                 st.to("cpu")

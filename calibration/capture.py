@@ -70,6 +70,13 @@ def tapped(model, tap: Tap):
         _taps.remove(tap)
 
 
+def run_layers(model, ids: torch.Tensor) -> None:
+    """One sequence (1-D token ids) through the model's decoder layers, for what the taps see: the base model's
+    forward, without the LM head, whose logits nobody reads here (on SmolLM2 the 49152-word head costs 15% of
+    a 1024-token forward pass on CPU)."""
+    model.base_model(ids.reshape(1, -1).to(model.device), use_cache=False)
+
+
 @torch.no_grad()
 def capture_kv(model, sequences: Iterable[torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Post-RoPE keys and values of every layer, token-major ``[tokens, kv_heads, d]`` float32.
@@ -86,5 +93,5 @@ def capture_kv(model, sequences: Iterable[torch.Tensor]) -> dict[int, tuple[torc
 
     with tapped(model, tap):
         for ids in sequences:
-            model(ids.reshape(1, -1).to(model.device), use_cache=False)
+            run_layers(model, ids)
     return {layer: (torch.cat(keys[layer]), torch.cat(values[layer])) for layer in sorted(keys)}

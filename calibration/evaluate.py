@@ -13,6 +13,7 @@ import torch
 
 from oscar_sglang.artifacts import RotationArtifacts
 
+from .capture import run_layers
 from .simulate import SimState, simulated
 
 
@@ -26,7 +27,7 @@ def layer_errors(model, sequences, artifact: RotationArtifacts, sink=None, recen
     state = SimState(artifact, mode="decode", sink=sink, recent=recent, measure=True)
     with simulated(model, state):
         for ids in sequences:
-            model(ids.reshape(1, -1).to(model.device), use_cache=False)
+            run_layers(model, ids)
     return state.layer_errors()
 
 

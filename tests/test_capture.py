@@ -53,6 +53,21 @@ def test_captured_keys_values_match_direct_computation(tiny):
         assert torch.allclose(v, torch.cat(parts_v), atol=1e-5)
 
 
+def test_capture_runs_the_layers_without_the_lm_head(tiny):
+    """The taps need the decoder layers only: the LM head (on SmolLM2 15% of a forward pass) is never run, and
+    the keys are those of the full model's forward."""
+    calls = []
+    hook = tiny.lm_head.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        seqs = [torch.randint(0, 101, (9,))]
+        kv = capture.capture_kv(tiny, seqs)
+        assert calls == []
+        _, k, _ = _direct_qkv(tiny, seqs[0].reshape(1, -1), 1)   # through the whole model, head included
+        assert calls == [1] and torch.allclose(kv[1][0], k[0].transpose(0, 1), atol=1e-5)
+    finally:
+        hook.remove()
+
+
 def test_tap_sees_queries_and_leaves_the_model_unchanged(tiny):
     ids = torch.randint(0, 101, (1, 10))
     with torch.no_grad():
