@@ -272,13 +272,15 @@ def _compile_nth(job: tuple[int, int]) -> dict:
     return _launch_info(*_WORKER_LAUNCHES[i], arch)
 
 
-def compile_all(arch: int = 90, verbose: bool = True, workers: int | None = None) -> list[dict]:
-    """Compile every recorded launch for ``sm_<arch>``; returns name, registers and spills per launch, in
-    :func:`launches`' order.  ``workers`` processes compile side by side (default: one per CPU core; each
-    compile is one thread of LLVM and ptxas, ~1 s, the write kernel's up to ~5 s)."""
+def compile_all(arch: int = 90, verbose: bool = True, workers: int | None = None,
+                only: tuple[str, ...] | None = None) -> list[dict]:
+    """Compile every recorded launch for ``sm_<arch>`` (``only``: those whose label starts with one of these);
+    returns name, registers and spills per launch, in :func:`launches`' order.  ``workers`` processes compile
+    side by side (default: one per CPU core; each compile is one thread of LLVM and ptxas, ~1 s, the write
+    kernel's up to ~5 s)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_check must run without TRITON_INTERPRET=1")
-    recorded = launches()
+    recorded = [(i, launch) for i, launch in enumerate(launches()) if only is None or launch[0].startswith(only)]
     workers = max(1, min(workers or os.cpu_count() or 1, len(recorded)))
 
     def report(info):
@@ -288,13 +290,13 @@ def compile_all(arch: int = 90, verbose: bool = True, workers: int | None = None
         return info
 
     if workers == 1:
-        return [report(_launch_info(*launch, arch)) for launch in recorded]
+        return [report(_launch_info(*launch, arch)) for _, launch in recorded]
     import multiprocessing
 
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        infos = pool.imap(_compile_nth, [(i, arch) for i in range(len(recorded))])
+        infos = pool.imap(_compile_nth, [(i, arch) for i, _ in recorded])
         out = []
-        for (label, *_), info in zip(recorded, infos):
+        for (_, (label, *_)), info in zip(recorded, infos):
             if info["launch"] != label:
                 raise RuntimeError(f"a worker recorded launch {info['launch']!r} where this process has {label!r}")
             out.append(report(info))

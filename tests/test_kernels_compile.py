@@ -5,6 +5,8 @@ pipeline (ptxas included) on the launches the wrappers make, in a subprocess
 without TRITON_INTERPRET, and checks each kernel's shared memory fits the
 smallest opt-in limit of sm_80+ GPUs (99 KiB, sm_86/89); the extend tiles and
 decode variants that only the benchmarks try on an H200 are held to sm_90's 227 KiB.
+Since the layouts differ by target (sm_86/89 compile like sm_80, not like sm_90),
+the extend and decode kernels are also compiled for sm_89 and held to its limit there.
 """
 
 import json
@@ -37,6 +39,33 @@ def test_kernels_compile_for_sm90():
         h200_only = x["launch"].startswith(("extend sweep", "decode variant"))
         assert x["shared"] <= (227 * 1024 if h200_only else SHARED_LIMIT), x
     assert any(x["launch"].startswith("extend sweep") for x in results)
+
+
+def test_the_extend_and_decode_kernels_fit_sm89_shared_memory_tf32_extend_dots_with_one_stage():
+    """sm_86/89 (A10, L4, L40S, RTX 30/40) allow 99 KiB of shared memory per block, the least of sm_80+, and
+    compile like sm_80: the extend kernel's TF32 dots at d 128 take 98-101.5 KiB there (64-96 KiB on sm_90),
+    over the limit with INT4 keys or symmetric rows, which Triton refuses to launch. So compiled for sm_89:
+    every launch the wrappers make fits, but two-stage TF32 extend launches, which fit with one stage (the
+    stage ``extend.triton_kernel.launch_fitting`` falls back to); the default bf16 dots fit as they are."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton build has no bundled ptxas")
+    prefixes = ("extend d=", "decode d=")
+    code = ("import json; from oscar_sglang.kernels import compile_check as c;"
+            f"p = {prefixes!r}; r = c.compile_all(89, verbose=False, only=p);"
+            "L = [x for x in c.launches() if x[0].startswith(p)];"
+            f"one = [c._launch_info(lbl, fn, a, {{**kw, 'num_stages': 1}}, 89) for x, (lbl, fn, a, kw) in zip(r, L)"
+            f" if x['shared'] > {SHARED_LIMIT}];"
+            "print(json.dumps([r, one]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    results, one_stage = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {x["kernel"] for x in results} == {"_extend_kernel", "_decode_split_kernel"}
+    over = [x["launch"] for x in results if x["shared"] > SHARED_LIMIT]
+    assert all(label.startswith("extend d=128") and label.endswith("tf32 dots") for label in over), over
+    assert [x["launch"] for x in one_stage] == over and all(x["shared"] <= SHARED_LIMIT for x in one_stage), one_stage
 
 
 def test_loop_counts_read_the_decode_loops_sass():

@@ -152,6 +152,54 @@ def test_extend_with_default_blocks_and_bf16_inputs():
     assert torch.allclose(out.float(), ref.float(), atol=BF16_ATOL, rtol=BF16_RTOL)
 
 
+def test_a_launch_refused_for_shared_memory_runs_with_one_stage_and_is_remembered(monkeypatch):
+    """A GPU whose shared memory cannot hold two pipeline stages (TF32 dots at d 128 on sm_86/89: 101.5 KiB of
+    99, ``test_kernels_compile.py``): Triton refuses the launch before the kernel runs, and the wrapper launches
+    one stage instead, once per launch shape; the result is the reference's. Stood in for here by refusing
+    launches as Triton's loader does."""
+    from triton.runtime.errors import OutOfResources
+
+    from oscar_sglang.kernels.extend import triton_kernel as tk
+
+    real, stages = tk._extend_kernel, []
+
+    def gpu(refuses):  # a kernel whose launches are refused where ``refuses(num_stages)`` names a resource
+        class Refusing:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    stages.append(kwargs["num_stages"])
+                    if resource := refuses(kwargs["num_stages"]):
+                        raise OutOfResources(101504, 101376, resource)
+                    return real[grid](*args, **kwargs)
+                return launch
+        return Refusing()
+
+    monkeypatch.setattr(tk, "_ONE_STAGE", set())
+    prefix, extend, d = [20, 0], [3, 9], 128
+    paged, rot, store = build(prefix, extend, d, None, 16, True, 12, formats=(F(4), F(2)))
+    q, k, v = new_tokens(sum(extend), KV * 4, d, 12)
+    pre, ext = torch.tensor(prefix, device=DEVICE), torch.tensor(extend, device=DEVICE)
+    args = (q, k, v, store, rot, paged.req_to_token, paged.req_pool_indices, pre, ext)
+    ref = reference.extend_attention(*args, d**-0.5)
+    run = lambda: api.extend_attention(*args, backend="triton", block_rows=16, block_n=16, dots="tf32")  # noqa: E731
+
+    monkeypatch.setattr(tk, "_extend_kernel", gpu(lambda n: "shared memory" if n > 1 else None))
+    for _ in range(2):
+        out = run()
+        assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (out - ref).abs().max()
+    assert stages == [2, 1, 1]                # refused once, then one stage straight away
+    tk._ONE_STAGE.clear(), stages.clear()
+    monkeypatch.setattr(tk, "_extend_kernel", gpu(lambda n: "shared memory"))
+    with pytest.raises(OutOfResources, match="shared memory"):  # what one stage cannot cure is the caller's
+        run()
+    assert stages == [2, 1]
+    tk._ONE_STAGE.clear(), stages.clear()
+    monkeypatch.setattr(tk, "_extend_kernel", gpu(lambda n: "threads"))
+    with pytest.raises(OutOfResources, match="threads"):        # another resource: no retry
+        run()
+    assert stages == [2]
+
+
 @pytest.mark.parametrize("key_scale", [False, True], ids=["orthogonal", "key-scaled"])
 def test_reference_without_prefix_is_plain_causal_attention(key_scale):
     # exact rows only: the rotation (and the key scaling with its inverse on the queries) must cancel

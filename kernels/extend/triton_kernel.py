@@ -21,6 +21,7 @@ log-sum-exp, and decode's reduce kernel merges them per (token, query head).
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from oscar_sglang.rotation import derotate_output, rotate_kv, rotate_queries
 
@@ -119,6 +120,32 @@ def choose_prefix_splits(new_token_blocks: int, batch: int, kv_heads: int, devic
     return max(1, min(MAX_SPLITS, s, triton.cdiv(max_prefix_len, 2 * block_n)))
 
 
+# The launches (device, constexprs and options) whose pipelined staging did not fit their GPU's shared memory:
+# launched with one stage since (launch_fitting), without trying two stages again.
+_ONE_STAGE: set = set()
+
+
+def launch_fitting(kernel, grid, device: torch.device, args: tuple, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)``, or with ``num_stages=1`` where the GPU's shared memory cannot hold the
+    compiled kernel's pipeline stages.
+
+    With TF32 dots at d 128 the extend kernel's two stages take 98-101.5 KiB of shared memory on sm_80/86/89
+    (``compile_check``; 64-96 KiB on sm_90), over sm_86/89's 99 KiB (A10, L4, L40S, RTX 30/40): Triton
+    refuses such a launch (``OutOfResources``) before the kernel runs, so nothing was written; one stage
+    (96 KiB) fits. Remembered per device and launch, so the refusal is paid once.
+    """
+    key = (str(device), tuple(sorted(kwargs.items())))
+    if key in _ONE_STAGE:
+        kwargs = {**kwargs, "num_stages": 1}
+    try:
+        kernel[grid](*args, **kwargs)
+    except OutOfResources as e:
+        if e.name != "shared memory" or kwargs.get("num_stages", 1) <= 1:
+            raise
+        _ONE_STAGE.add(key)
+        kernel[grid](*args, **{**kwargs, "num_stages": 1})
+
+
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: LayerStore, rot: DeviceRotation,
                      req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, sm_scale: float, extend_start_loc: torch.Tensor | None = None,
@@ -162,15 +189,16 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
     else:
         out = torch.zeros(n, q_heads, d, dtype=torch.float32, device=q.device)
         mid_lse = out  # unused
-    _extend_kernel[(blocks, batch, kv * splits)](
+    launch_fitting(_extend_kernel, (blocks, batch, kv * splits), q.device, (
         qr, kn, vn, out, *store.row_args(),
         store.k_hot, store.v_hot, store.hot_index, req_to_token, req_pool_indices, prefix_lens, extend_lens,
         extend_start_loc, mid_lse, req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
+    ), dict(
         GQ=gq, GQP=gqp, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
         K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
         K_SYM=kf.symmetric, V_SYM=vf.symmetric, SPLIT=splits > 1,
         num_warps=num_warps, num_stages=num_stages,
-    )
+    ))
     if splits > 1:
         return merge_splits(out, mid_lse, rot.v_rot, q.dtype)  # merged, de-rotated and cast in one launch
     return derotate_output(out, rot.v_rot).to(q.dtype)
