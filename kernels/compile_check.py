@@ -193,6 +193,14 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                                                                 paged.req_pool_indices, paged.seq_lens, 0.1,
                                                                 num_splits=2),
                     BF16_DOT=True)  # what runs on CUDA tensors
+    # d 256 (Gemma-1's head size): the decode loop at its default block (default_block_n: 32 tokens there)
+    paged, rot = scenario.paged_layout([5, 40], 16), scenario.random_rotation(2, 256)
+    store = layout.empty_store(paged.num_slots, 2, 256, None, 8)
+    q = torch.randn(2, 4, 256)
+    with _replaced(dec, "merge_splits", _no_merge), _replaced(dec, "rotated_queries", _torch_rotation):
+        add("decode d=256 int2 gqa=2", dec, "_decode_split_kernel",
+            lambda: dec.decode_attention(q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens,
+                                         0.1, num_splits=4, rotate_q_in_kernel=False, hot_windows=WINDOWS))
     req_len, req_pass = torch.tensor([0, 300, 9000]), torch.tensor([0, 7, 9])
     add("repin sink=64 recent=256", rep, "_repin_kernel",
         lambda: rep.repin_windows(torch.zeros(41, dtype=torch.long), torch.full((100,), -1, dtype=torch.int32),

@@ -83,6 +83,25 @@ def test_decode_kernel_matches_reference(d, gqa, page, hot, formats, splits):
         assert torch.allclose(out, ref, atol=ATOL, rtol=RTOL), (in_kernel, (out - ref).abs().max())
 
 
+@pytest.mark.parametrize("fold", [False, True])
+def test_head_dim_256_decodes_with_its_default_block_as_the_reference(fold):
+    """d 256 (a power-of-two head size the kernels accept): the default block of tokens, 32 there
+    (``default_block_n``; 64 tokens took 144 KiB of shared memory, over sm_86/89's 99 KiB), over requests
+    across blocks and splits, hot and cold rows, INT2 and INT4 keys."""
+    from oscar_sglang.kernels.decode.triton_kernel import default_block_n
+
+    assert [default_block_n(d) for d in (64, 128, 256, 512, 1024)] == [64, 64, 32, 16, 16]
+    lens, d = [1, 33, 70], 256
+    for i, formats in enumerate([(F(2), F(2)), (F(4), F(2))]):
+        paged, rot, store = build(lens, d, None, 16, True, 60 + i, formats=formats)
+        q = torch.randn(len(lens), KV * 2, d, generator=torch.Generator().manual_seed(i)).to(DEVICE)
+        args = (q, store, rot, paged.req_to_token, paged.req_pool_indices, paged.seq_lens)
+        ref = reference.decode_attention(*args, d**-0.5)
+        out = api.decode_attention(*args, backend="triton", num_splits=2, fold=fold)
+        tol = 2e-3 if fold else ATOL  # the fold's fp16 operands
+        assert torch.allclose(out, ref, atol=tol, rtol=tol), (formats, (out - ref).abs().max())
+
+
 @pytest.mark.parametrize("prefetch,hot_skip", [(0, False), (0, True), (1, False), (1, True), (2, False), (2, True)])
 def test_pipelined_decode_loops_match_the_reference(prefetch, hot_skip):
     """The split kernel's loop loading ahead (slots, entries, rows of later blocks) and skipping the BF16 reads of

@@ -44,6 +44,15 @@ DOT_PRECISION = "tf32"
 # fp32 accumulation, as the extend kernel's default: half the operand bytes through shared memory); a variant
 # for the GPU to time (scripts/device/decode_variants.py), not yet measured there
 DOT_CHOICES = ("tf32", "bf16")
+# The default block of tokens holds at most this many elements of a row side (64 tokens at d 128 and d 64): at
+# d 256, 64 tokens took 144 KiB of shared memory and a 256-byte stack (sm_89 and sm_90), over sm_86/89's 99 KiB
+# (A10, L4, L40S, RTX 30/40), where the launch is refused; 32 tokens take 80 KiB and no stack (compile_check).
+BLOCK_ELEMENTS = 64 * 128
+
+
+def default_block_n(head_dim: int) -> int:
+    """``decode_attention``'s block of tokens for rows of ``head_dim``: 64 up to d 128, 32 at d 256, at least 16."""
+    return max(16, min(64, BLOCK_ELEMENTS // head_dim))
 
 
 @triton.jit
@@ -279,7 +288,7 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, v_rot: torch.Tensor
 def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, req_to_token: torch.Tensor,
                      req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                      num_splits: int | None = None, max_seq_len: int | None = None,
-                     block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+                     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
                      rotate_q_in_kernel: bool | None = None, hot_skip: bool = True,
                      prefetch: int = 1, dots: str = DOT_PRECISION, fold: bool = False, hot_loop: bool = False,
                      max_registers: int | None = None, resident: int | None = None, whole_waves: bool = False,
@@ -300,7 +309,8 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     ``hot_skip``: read the BF16 hot copies only in blocks that have a hot row.  ``prefetch`` (0, 1, 2): how far
     the split kernel's loop loads ahead (0: a block's slots, hot entries and rows one after the other, three
     memory latencies in turn per block; 1: slots two blocks ahead and entries one; 2: also the rows one
-    block ahead, in registers).  The defaults (block_n 64, prefetch 1, hot_skip) are the fastest of the
+    block ahead, in registers).  ``block_n`` (default :func:`default_block_n`: 64 tokens up to d 128, 32 at
+    d 256).  The defaults (block_n 64, prefetch 1, hot_skip) are the fastest of the
     variants timed on the H200 (docs/gpu/run2/decode_variants.md, 2026-12-04): 1.23x, 1.69x and 1.60x the
     speed of the first run's loop (block_n 32, prefetch 0, no hot_skip) at batch 1 / 32 at 32k and batch
     128 at 16k.
@@ -369,6 +379,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
     if bsz == 0:
         return torch.zeros_like(q)
     require_contiguous(store, rot)
+    block_n = block_n or default_block_n(d)
     if resident is not None and not 1 <= resident <= 64:
         raise ValueError(f"resident must be within 1..64 programs per multiprocessor, got {resident!r}")
     splits = num_splits or choose_splits(bsz, kv, q.device, max_seq_len, block_n, num_warps, resident)
