@@ -128,7 +128,10 @@ def test_kernel_knob_keys_are_the_kernels_own():
 
     assert st.EXTEND_SDPA in api.EXTEND_BACKENDS
     params = inspect.signature(decode_kernel.decode_attention).parameters
-    assert all(isinstance(params[key].default, int) for key in st.DECODE_INT_KEYS if key not in st._INT_RANGES)
+    assert all(isinstance(params[key].default, int) for key in st.DECODE_INT_KEYS
+               if key not in st._INT_RANGES and key != "block_n")
+    assert params["block_n"].default is None  # unset: the head size's (default_block_n), a power of two >= 16
+    assert all(decode_kernel.default_block_n(d) in (16, 32, 64) for d in (64, 128, 256, 512))
     assert params["max_registers"].default is None  # unset: the compiler's own choice
     assert params["resident"].default is None  # unset: the fixed 8 warps per multiprocessor
     assert params["hot_weight"].default is None  # unset: the loop's own weight (split_cut.py)
