@@ -134,15 +134,15 @@ def launch_fitting(kernel, grid, device: torch.device, args: tuple, kwargs: dict
     refuses such a launch (``OutOfResources``) before the kernel runs, so nothing was written; one stage
     (96 KiB) fits. Remembered per device and launch, so the refusal is paid once.
     """
-    key = (str(device), tuple(sorted(kwargs.items())))
-    if key in _ONE_STAGE:
+    key = lambda: (str(device), tuple(sorted(kwargs.items())))  # noqa: E731  (made only where a GPU refused one)
+    if _ONE_STAGE and key() in _ONE_STAGE:
         kwargs = {**kwargs, "num_stages": 1}
     try:
         kernel[grid](*args, **kwargs)
     except OutOfResources as e:
         if e.name != "shared memory" or kwargs.get("num_stages", 1) <= 1:
             raise
-        _ONE_STAGE.add(key)
+        _ONE_STAGE.add(key())
         kernel[grid](*args, **{**kwargs, "num_stages": 1})
 
 
