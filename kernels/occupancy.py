@@ -25,7 +25,8 @@ import torch
 
 @dataclass(frozen=True)
 class Multiprocessor:
-    """The per-multiprocessor limits that bound residency (defaults: sm_80/sm_90, an A100's or H100/H200's)."""
+    """The per-multiprocessor limits that bound residency (defaults: sm_80/sm_90, an A100's or H100/H200's;
+    :meth:`of` reads a device's)."""
 
     registers: int = 65536
     max_warps: int = 64
@@ -37,15 +38,26 @@ class Multiprocessor:
 
     @classmethod
     def of(cls, device: torch.device) -> "Multiprocessor":
-        """The limits torch reports for a CUDA ``device`` (the defaults where a field is missing)."""
+        """The limits torch reports for a CUDA ``device`` (the defaults where a field is missing), with the
+        programs per multiprocessor and the runtime's reserve of its compute capability, which torch does not
+        report (:data:`MAX_PROGRAMS`)."""
         props = torch.cuda.get_device_properties(device)
         base = cls()
         warp = getattr(props, "warp_size", base.warp_size) or base.warp_size
         threads = getattr(props, "max_threads_per_multi_processor", 0)
+        capability = (getattr(props, "major", 0), getattr(props, "minor", 0))
         return cls(registers=getattr(props, "regs_per_multiprocessor", 0) or base.registers,
                    max_warps=threads // warp if threads else base.max_warps,
                    shared_bytes=getattr(props, "shared_memory_per_multiprocessor", 0) or base.shared_bytes,
+                   max_programs=MAX_PROGRAMS.get(capability, base.max_programs),
+                   shared_reserved=0 if 0 < capability[0] < 8 else base.shared_reserved,
                    warp_size=warp)
+
+
+# Resident programs per multiprocessor where it is not 32 (the CUDA C++ Programming Guide's table of technical
+# specifications per compute capability): Turing, and the Ampere and Ada parts below the A100 (A10, A40, L4, L40S,
+# RTX 30/40), which also hold 48 warps instead of 64 (torch reports that one).
+MAX_PROGRAMS = {(7, 5): 16, (8, 6): 16, (8, 7): 16, (8, 9): 24}
 
 
 def resident_programs(registers: int, shared_bytes: int, num_warps: int, sm: Multiprocessor = Multiprocessor()) -> int:
@@ -56,7 +68,8 @@ def resident_programs(registers: int, shared_bytes: int, num_warps: int, sm: Mul
     per_warp = -(-max(registers, 1) * sm.warp_size // sm.register_unit) * sm.register_unit
     by_registers = (sm.registers // per_warp) // num_warps
     by_warps = sm.max_warps // num_warps
-    by_shared = sm.shared_bytes // (shared_bytes + sm.shared_reserved)
+    per_program = shared_bytes + sm.shared_reserved
+    by_shared = sm.shared_bytes // per_program if per_program else sm.max_programs  # sm_75: no reserve
     return max(0, min(by_registers, by_warps, by_shared, sm.max_programs))
 
 

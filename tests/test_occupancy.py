@@ -56,6 +56,29 @@ def test_multiprocessor_reads_the_limits_torch_reports(monkeypatch):
     assert Multiprocessor.of(torch.device("cuda", 0)) == Multiprocessor()
 
 
+@pytest.mark.parametrize("capability,threads,shared,want", [
+    # an L4 / L40S (sm_89): 48 warps, 100 KiB (+ 1 KiB reserve each), 24 programs; 1-warp programs of 32
+    # registers (1024 per warp: 64 by registers), 4 KiB shared (20 by shared memory): 20 = min(64, 48, 20, 24)
+    ((8, 9), 1536, 102400, {0: 24, 4096: 20}),
+    # an A10 (sm_86): the same but 16 programs
+    ((8, 6), 1536, 102400, {0: 16, 4096: 16}),
+    # a T4 (sm_75): 32 warps, 64 KiB, 16 programs, no runtime reserve: 4096 -> 16 by shared memory
+    ((7, 5), 1024, 65536, {0: 16, 4096: 16}),
+    # an H100 (sm_90): 64 warps, 228 KiB, 32 programs: 4096 + 1024 -> 45 by shared memory, 32 programs
+    ((9, 0), 2048, 233472, {0: 32, 4096: 32}),
+])
+def test_multiprocessor_takes_the_programs_and_reserve_of_its_compute_capability(monkeypatch, capability, threads,
+                                                                                 shared, want):
+    props = SimpleNamespace(major=capability[0], minor=capability[1], regs_per_multiprocessor=65536,
+                            max_threads_per_multi_processor=threads, shared_memory_per_multiprocessor=shared,
+                            warp_size=32)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    sm = Multiprocessor.of(torch.device("cuda", 0))
+    assert {s: resident_programs(32, s, 1, sm) for s in want} == want
+    # with the sm_90 defaults, as before this day, every one of them took 32 (or 20 by shared memory at 4 KiB)
+    assert resident_programs(32, 0, 1, sm) <= resident_programs(32, 0, 1)
+
+
 def test_compiled_resources_loads_the_kernel_before_reading_its_registers():
     class Compiled:  # a Triton CompiledKernel's fields: registers are known once its module is loaded
         n_regs = n_spills = None
