@@ -152,3 +152,21 @@ def test_no_jit_function_leaves_a_string_constexpr_to_its_default():
                     found.append(f"{path.relative_to(root)}:{fn.lineno} {fn.name}({arg.arg}={default.value!r})")
     assert not found, found
     assert jitted > 40, jitted  # the walk saw the kernels and their device functions
+
+
+def test_every_launch_says_whether_it_contracts_floating_point():
+    """Triton 3.9 warns at a launch that leaves floating-point contraction (``a * b + c`` -> FMA) to its
+    default, and 3.10 turns that default off: a kernel that relied on it would compile to other numbers and
+    other instructions (the decode loop's counts, docs/KERNELS.md) under a user's newer Triton.  So every launch
+    the wrappers make says which it wants: off where the rows must equal torch's bit for bit (the write kernel's
+    codes, the read kernel's rows), on everywhere else (what every GPU run so far compiled)."""
+    from oscar_sglang.kernels.compile_check import launches
+
+    fusion = {}
+    for _, fn, _, kwargs in launches():
+        assert "enable_fp_fusion" in kwargs, (fn.__name__, sorted(kwargs))
+        fusion.setdefault(fn.__name__, set()).add(kwargs["enable_fp_fusion"])
+    assert fusion == {"_write_kernel": {False}, "_read_kernel": {False}, "_decode_split_kernel": {True},
+                      "_decode_reduce_kernel": {True}, "_extend_kernel": {True}, "_bf16_split_kernel": {True},
+                      "_rotate_queries_kernel": {True}, "_repin_kernel": {True}, "_release_retire_track": {True},
+                      "_assign": {True}}

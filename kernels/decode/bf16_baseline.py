@@ -70,6 +70,6 @@ def decode_attention_bf16(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
         q, k_buf, v_buf, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), req_to_token.stride(0), kv, q_heads, splits, sm_scale * LOG2E,
         GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), BLOCK_N=block_n, D=d, BF16_DOT=q.is_cuda,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True,
     )
     return merge_splits(mid_o, mid_lse, dtype=q.dtype)  # merged and cast in one launch, as SGLang's own decode

@@ -57,5 +57,5 @@ def rotated_queries(q: torch.Tensor, q_rot: torch.Tensor) -> torch.Tensor:
     gq = hq // kv
     _rotate_queries_kernel[(bsz, kv, d // EC)](q_in, q_rot.contiguous(), out, q_in.stride(0), q_in.stride(1), hq,
                                                GQ=gq, BLOCK_H=max(16, triton.next_power_of_2(gq)), D=d, KC=KC,
-                                               EC=EC)
+                                               EC=EC, enable_fp_fusion=True)
     return out

@@ -281,7 +281,7 @@ def merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, v_rot: torch.Tensor
     gq = h // v_rot.shape[0] if v_rot is not None else 1
     _decode_reduce_kernel[(b * h,)](mid_o, mid_lse, out, v_rot if v_rot is not None else mid_lse, s, h,
                                     S_PAD=triton.next_power_of_2(s), D=d, GQ=gq, DEROTATE=v_rot is not None,
-                                    EC=min(d, 32), OUT_BF16=out.dtype == torch.bfloat16)
+                                    EC=min(d, 32), OUT_BF16=out.dtype == torch.bfloat16, enable_fp_fusion=True)
     return out if direct else out.to(dtype)
 
 
@@ -405,7 +405,7 @@ def decode_attention(q: torch.Tensor, store: LayerStore, rot: DeviceRotation, re
                   PREFETCH=prefetch, FOLD=fold, HOT_LOOP=bool((hot_loop or fold) and hot_skip),
                   UNPACK_FIRST=bool(fold and unpack_first), HOT_WEIGHT=hot_weight,
                   PACKED=not interpreted(_decode_split_kernel) and torch.version.hip is None,  # inline PTX: NVIDIA only
-                  num_warps=num_warps, num_stages=num_stages,
+                  num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True,
                   **({"maxnreg": max_registers} if max_registers is not None else {}))
 
     def launch(splits, warmup=False):

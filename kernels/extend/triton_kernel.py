@@ -197,7 +197,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, store: L
         GQ=gq, GQP=gqp, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
         K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits, V_G=vf.group, PREC=dots,
         K_SYM=kf.symmetric, V_SYM=vf.symmetric, SPLIT=splits > 1,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, enable_fp_fusion=True,
     ))
     if splits > 1:
         return merge_splits(out, mid_lse, rot.v_rot, q.dtype)  # merged, de-rotated and cast in one launch

@@ -135,7 +135,8 @@ def decode_pass(hs, loc: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, re
     live_t = live if has_live else loc                                   # unused without live
     _release_retire_track[(1,)](loc, rows, seq, live_t, hs._hot_index, hs._owner, hs._stamp, hs._req_len,
                                 hs._req_pass, hs._clock, req_to_token, req_to_token.stride(0), bs,
-                                SINK=hs.sink, RECENT=hs.recent, HAS_LIVE=has_live, BLOCK=block)
+                                SINK=hs.sink, RECENT=hs.recent, HAS_LIVE=has_live, BLOCK=block,
+                                enable_fp_fusion=True)
     repin()
     regions = []
     for region, window in ((hs._sink_region, hs.sink), (hs._recent_region, hs.recent)):
@@ -148,5 +149,5 @@ def decode_pass(hs, loc: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, re
     _assign[(1,)](loc, seq, live_t, sink_order, recent_order, hs._hot_index, hs._owner, hs._stamp, hs._clock,
                   hs._in_window_evictions, hs._denied, out, bs, sink_size, int(sink_over), recent_size,
                   int(recent_over), SINK=hs.sink, RECENT=hs.recent, HAS_LIVE=has_live, HAS_SINK=sink_k > 0,
-                  HAS_RECENT=recent_k > 0, BLOCK=block)
+                  HAS_RECENT=recent_k > 0, BLOCK=block, enable_fp_fusion=True)
     return out

@@ -48,4 +48,5 @@ def repin_windows(stamp: torch.Tensor, hot_index: torch.Tensor, req_len: torch.T
         raise ValueError(f"repin_windows: {rows} rows of req_to_token but req_len/req_pass have "
                          f"{req_len.shape[0]}/{req_pass.shape[0]}")
     _repin_kernel[(rows,)](stamp, hot_index, req_len, req_pass, req_to_token, req_to_token.stride(0), width,
-                           SINK=sink, W=w, BLOCK=triton.next_power_of_2(w), num_warps=4)
+                           SINK=sink, W=w, BLOCK=triton.next_power_of_2(w), num_warps=4,
+                           enable_fp_fusion=True)
