@@ -1,4 +1,5 @@
 """Calibration statistics, OSCAR fit, clip search, OptR and the simulated cache, on a tiny model."""
+import inspect
 import json
 
 import pytest
@@ -165,10 +166,14 @@ def test_sink_and_recent_windows_are_exact_under_quantization(tiny):
     with simulate.simulated(tiny, simulate.SimState(a, mode="serve")):
         assert torch.allclose(_logits(tiny, ids), ref, atol=1e-10)
     # ...and the decode steps after it read the keys outside the windows from INT2.
+    # transformers 5.25 renamed the model's KV cache argument and output `past_key_values` -> `cache` (the old
+    # name warns, and goes in 5.40); pyproject admits both
+    cache = "cache" if "cache" in inspect.signature(tiny.forward).parameters else "past_key_values"
+
     def next_logits(state):
         with torch.no_grad(), simulate.simulated(tiny, state):
             out = tiny(ids[:-1].reshape(1, -1), use_cache=True)
-            return tiny(ids[-1:].reshape(1, -1), past_key_values=out.past_key_values, use_cache=True).logits[0, -1]
+            return tiny(ids[-1:].reshape(1, -1), **{cache: getattr(out, cache)}, use_cache=True).logits[0, -1]
     assert torch.allclose(next_logits(simulate.SimState(a, mode="serve", quantize=False)), ref[-1], atol=1e-9)
     assert not torch.allclose(next_logits(simulate.SimState(a, mode="serve")), ref[-1], atol=1e-3)
     assert torch.allclose(next_logits(simulate.SimState(wide, mode="serve")), ref[-1], atol=1e-9)
