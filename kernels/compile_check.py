@@ -144,6 +144,9 @@ def launches() -> list[tuple[str, object, tuple, dict]]:
                f"d={d} K {kf.name(d)} V {vf.name(d)} gqa={gqa}")
         add(f"write {tag}", wr, "_write_kernel",
             lambda: wr.write_kv(k, v, torch.arange(4), store, rot, torch.tensor([0, -1, 2, 3])))
+        if d == 128 and tag.startswith("d=128 int2 "):  # the tile the kernel benchmark times beside the default
+            add(f"write {tag} kc=16", wr, "_write_kernel",
+                lambda: wr.write_kv(k, v, torch.arange(4), store, rot, torch.tensor([0, -1, 2, 3]), kc=16))
         if (d, gqa) not in rotations:  # the query rotation kernel (bf16 queries, as a server passes them)
             rotations.add((d, gqa))
             add(f"decode query rotation d={d} gqa={gqa}", qrot, "_rotate_queries_kernel",

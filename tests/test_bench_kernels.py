@@ -204,6 +204,10 @@ def test_cpu_smoke_run(tmp_path, fake_flashinfer):
         (tmp_path / "bench_kernels_cpu_smoke.md").read_text()
     assert set(data["check"]["per_format"]) == {"int2", "int4k"}
     assert {(r["d"], r["formats"]) for r in data["write"]} == {(d, f) for d in (64, 128) for f in ("int2", "int4k")}
+    # every case with the default tile, and INT2 at d 128 with 16 channels a dot step too (the smoke's two counts)
+    assert {(r["d"], r["formats"], r["tokens"]) for r in data["write"] if r["kc"] == 16} == {(128, "int2", 16),
+                                                                                              (128, "int2", 64)}
+    assert sum(r["kc"] == 32 for r in data["write"]) == 8 and all(r["ms"] > 0 for r in data["write"])
     assert [r["batch"] for r in data["hot_update"]] == [1, 4]
     for row in data["hot_update"]:                     # CPU: no graph; both paths and both re-pins ran
         assert row["fused_graph_ms"] is None and row["torch_graph_ms"] is None

@@ -21,7 +21,7 @@ from kernel_device import DEVICE
 
 from oscar_sglang import format as fmt
 from oscar_sglang.kernels import api, layout, scenario
-from oscar_sglang.kernels.write import reference
+from oscar_sglang.kernels.write import reference, triton_kernel
 
 KV = 2
 MAX_CODE_MISMATCH = 1e-3
@@ -118,6 +118,34 @@ def test_write_kernel_matches_reference(d, kf, vf, identity, hot, n):
     reference.write_kv(k, v, slots, ref, rot, hot_loc)
     api.write_kv(k, v, slots, out, rot, hot_loc, backend="triton")
     _compare(ref, out, exact=identity)
+
+
+@pytest.mark.parametrize("d,kf,vf,identity", [(128, INT2, INT2, True), (128, INT2, INT2, False),
+                                               (64, *MIXED[1], True), (128, *MIXED[5], False)])
+def test_write_kernel_in_16_channel_steps_matches_reference(d, kf, vf, identity):
+    """``kc=16`` (the rotation's dots over 16 input channels a step; 32 by default): the other tile the kernel
+    benchmark times, since 32 spills on sm_89 and with Triton 3.9. The same rows: byte-identical under identity
+    rotations, within the rounding-order tolerance under random ones."""
+    n, seed = 33, d + 16
+    rot = _rotation(d, seed, identity)
+    k, v = _inputs(n, d, rot, identity, seed)
+    slots = torch.randperm(96, generator=torch.Generator().manual_seed(seed))[:n].to(DEVICE)
+    hot_loc = torch.where(torch.arange(n) % 3 == 1, -1, torch.randperm(n)).to(DEVICE)
+    ref = _store(d, None, n, seed, kf=kf, vf=vf)
+    out = ref.clone()
+    reference.write_kv(k, v, slots, ref, rot, hot_loc)
+    triton_kernel.write_kv(k, v, slots, out, rot, hot_loc, kc=16)
+    _compare(ref, out, exact=identity)
+
+
+@pytest.mark.parametrize("kc", [8, 24, 256])
+def test_write_kernel_refuses_a_channel_step_it_cannot_take(kc):
+    d = 128
+    rot = _rotation(d, 0, True)
+    k, v = _inputs(2, d, rot, True, 0)
+    store = _store(d, None, 2, 0)
+    with pytest.raises(ValueError, match=f"kc must be a power of two from 16 .* to head_dim {d}, got {kc}"):
+        triton_kernel.write_kv(k, v, torch.arange(2, device=DEVICE), store, rot, kc=kc)
 
 
 @pytest.mark.parametrize("kf,vf", [(INT2, INT2), *MIXED], ids=lambda f: f.name())

@@ -150,8 +150,12 @@ def _write_kernel(k_ptr, v_ptr, slot_ptr, hot_loc_ptr,
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: LayerStore, rot: DeviceRotation,
-             hot_loc: torch.Tensor | None = None, block_t: int = 16, num_warps: int = 4) -> None:
-    """Triton version of :func:`oscar_sglang.kernels.write.reference.write_kv` (same arguments)."""
+             hot_loc: torch.Tensor | None = None, block_t: int = 16, num_warps: int = 4, kc: int = 32) -> None:
+    """Triton version of :func:`oscar_sglang.kernels.write.reference.write_kv` (same arguments).
+
+    ``kc``: input channels per step of the rotation's dots (a power of two, 16 to d). 32, the default, compiles
+    to 128 registers on sm_90 with Triton 3.8; 16 avoids the spill that 32 has on sm_89 with 3.8 and on sm_90
+    with 3.9 (docs/KERNELS.md, "Triton 3.9"), which the kernel benchmark times side by side."""
     n = k.shape[0]
     kv, d, kf, vf = store.kv_heads, store.head_dim, store.k_format, store.v_format
     if n == 0:
@@ -162,12 +166,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, store: Layer
     assert k.stride(-1) == 1 and v.stride(-1) == 1, "k and v rows must be contiguous"
     assert (problem := triton_unsupported(d, kf, vf)) is None, problem
     assert block_t >= 16, "tl.dot needs at least 16 rows"
+    if not (16 <= kc <= d and kc & (kc - 1) == 0):
+        raise ValueError(f"kc must be a power of two from 16 (tl.dot's least) to head_dim {d}, got {kc}")
     _write_kernel[(triton.cdiv(n, block_t), kv, 2)](
         k, v, slots, hot_loc if hot_loc is not None else slots,
         rot.k_rot, rot.v_rot, rot.k_mean, rot.k_clip, rot.v_clip,
         *store.row_args(), store.k_hot, store.v_hot,
         n, kv, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HAS_HOT=hot_loc is not None, BLOCK_T=block_t, D=d, K_BITS=kf.bits, K_G=kf.group, V_BITS=vf.bits,
-        V_G=vf.group, KC=32, K_SYM=kf.symmetric, V_SYM=vf.symmetric, num_warps=num_warps,
+        V_G=vf.group, KC=kc, K_SYM=kf.symmetric, V_SYM=vf.symmetric, num_warps=num_warps,
         enable_fp_fusion=False,  # no a*b+c -> fma: codes bit-equal to the torch reference's (clip, symmetric zero)
     )
