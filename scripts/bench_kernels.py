@@ -567,9 +567,10 @@ def bench_write() -> list[dict]:
     cases = [(d, name, kf, n, 32) for d in DIMS for name, kf in (("int2", None), ("int4k", INT4_KEYS))
              for n in WRITE_TOKENS]
     cases += [(128, "int2", None, n, 16) for n in WRITE_TOKENS[-2:] if 128 in DIMS]
+    rots = {d: scenario.random_rotation(KV_HEADS, d, 0, device=DEVICE) for d in DIMS}
     rows = []
     for d, name, kf, n, kc in cases:
-        rot = scenario.random_rotation(KV_HEADS, d, 0, device=DEVICE)
+        rot = rots[d]
         store = layout.empty_store(n + 1, KV_HEADS, d, None, n, DEVICE, k_format=kf)
         k, v = scenario.random_kv(n, KV_HEADS, d, 0, DEVICE)
         slots = torch.randperm(n, device=DEVICE) + 1

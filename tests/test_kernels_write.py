@@ -103,9 +103,8 @@ def _case_id(c):
     return f"d{d}-K{kf.name(d)}-V{vf.name(d)}-{'eye' if identity else 'rot'}-{'hot' if hot else 'cold'}-n{n}"
 
 
-@pytest.mark.parametrize("d,kf,vf,identity,hot,n", CASES, ids=[_case_id(c) for c in CASES])
-def test_write_kernel_matches_reference(d, kf, vf, identity, hot, n):
-    seed = d + kf.bits + (kf.group or d) + n
+def _check_against_reference(d, kf, vf, identity, hot, n, seed, write):
+    """``write(k, v, slots, store, rot, hot_loc)`` into a garbage-filled store against the reference's rows."""
     rot = _rotation(d, seed, identity)
     k, v = _inputs(n, d, rot, identity, seed)
     slots = torch.randperm(96, generator=torch.Generator().manual_seed(seed))[:n].to(DEVICE)
@@ -116,8 +115,14 @@ def test_write_kernel_matches_reference(d, kf, vf, identity, hot, n):
     assert (ref.k_format, ref.v_format) == (kf.resolved(d), vf.resolved(d))
     out = ref.clone()
     reference.write_kv(k, v, slots, ref, rot, hot_loc)
-    api.write_kv(k, v, slots, out, rot, hot_loc, backend="triton")
+    write(k, v, slots, out, rot, hot_loc)
     _compare(ref, out, exact=identity)
+
+
+@pytest.mark.parametrize("d,kf,vf,identity,hot,n", CASES, ids=[_case_id(c) for c in CASES])
+def test_write_kernel_matches_reference(d, kf, vf, identity, hot, n):
+    _check_against_reference(d, kf, vf, identity, hot, n, d + kf.bits + (kf.group or d) + n,
+                             lambda *a: api.write_kv(*a, backend="triton"))
 
 
 @pytest.mark.parametrize("d,kf,vf,identity", [(128, INT2, INT2, True), (128, INT2, INT2, False),
@@ -126,16 +131,7 @@ def test_write_kernel_in_16_channel_steps_matches_reference(d, kf, vf, identity)
     """``kc=16`` (the rotation's dots over 16 input channels a step; 32 by default): the other tile the kernel
     benchmark times, since 32 spills on sm_89 and with Triton 3.9. The same rows: byte-identical under identity
     rotations, within the rounding-order tolerance under random ones."""
-    n, seed = 33, d + 16
-    rot = _rotation(d, seed, identity)
-    k, v = _inputs(n, d, rot, identity, seed)
-    slots = torch.randperm(96, generator=torch.Generator().manual_seed(seed))[:n].to(DEVICE)
-    hot_loc = torch.where(torch.arange(n) % 3 == 1, -1, torch.randperm(n)).to(DEVICE)
-    ref = _store(d, None, n, seed, kf=kf, vf=vf)
-    out = ref.clone()
-    reference.write_kv(k, v, slots, ref, rot, hot_loc)
-    triton_kernel.write_kv(k, v, slots, out, rot, hot_loc, kc=16)
-    _compare(ref, out, exact=identity)
+    _check_against_reference(d, kf, vf, identity, True, 33, d + 16, lambda *a: triton_kernel.write_kv(*a, kc=16))
 
 
 @pytest.mark.parametrize("kc", [8, 24, 256])
