@@ -38,6 +38,11 @@ def test_kernels_compile_for_sm90():
     for x in results:  # the benchmarks' candidate tiles and variants are for sm_90 (227 KiB); a default must fit all
         h200_only = x["launch"].startswith(("extend sweep", "decode variant"))
         assert x["shared"] <= (227 * 1024 if h200_only else SHARED_LIMIT), x
+        # and no launch the server makes spills registers to a stack on sm_90 with the pinned Triton (3.8): a
+        # spill is slow on a GPU and invisible on CPU otherwise (Triton 3.9 makes the write kernel spill 80 B:
+        # docs/KERNELS.md, "Triton 3.9"; some variants only the benchmarks time spill on purpose, e.g. 128 registers)
+        if not h200_only and "stack" in x:
+            assert x["stack"] == 0 and x["local"] == 0, x
     assert any(x["launch"].startswith("extend sweep") for x in results)
 
 
