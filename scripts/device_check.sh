@@ -219,7 +219,7 @@ kernel_test_paths() {  # what the kernel_tests step runs, one per line; the CUDA
         return 0
     fi
     for t in kernels_write kernels_decode kernels_query_rotation kernels_extend kernels_read kernels_repin \
-             kernels_hot_pass hot_plan decode_autotune; do
+             kernels_hot_pass kernels_head_dim_256 hot_plan decode_autotune; do
         echo "$ROOT/tests/test_$t.py"
     done
     [ "$HAVE_SGLANG" = 1 ] && echo "$ROOT/tests/test_sglang_cuda_graph.py::test_real_cuda_graphs_match_eager_decode"

@@ -42,7 +42,7 @@ def test_kernel_tests_run_with_or_without_sglang(have_sglang):
     paths = _bash(f'ROOT="{ROOT}"; HAVE_SGLANG={have_sglang}',
                   shell_function("device_check.sh", "kernel_test_paths"), "kernel_test_paths")
     files = [p.split("::")[0] for p in paths]
-    assert all(Path(f).is_file() for f in files) and len(set(files)) == len(files) == 9 + have_sglang
+    assert all(Path(f).is_file() for f in files) and len(set(files)) == len(files) == 10 + have_sglang
     assert (str(ROOT / GRAPH_TEST) in paths) == bool(have_sglang)
     # every kernel's test module against its reference (compiling alone is the compile check's, on CPU)
     kernel_modules = {p.name for p in (ROOT / "tests").glob("test_kernels_*.py")} - {"test_kernels_compile.py"}

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # the two lists together)
 KERNEL_TESTS = ["tests/test_kernels_write.py", "tests/test_kernels_decode.py", "tests/test_kernels_query_rotation.py",
                 "tests/test_kernels_extend.py", "tests/test_kernels_read.py", "tests/test_kernels_repin.py",
-                "tests/test_kernels_hot_pass.py", "tests/test_hot_plan.py", "tests/test_decode_autotune.py"]
+                "tests/test_kernels_hot_pass.py", "tests/test_kernels_head_dim_256.py", "tests/test_hot_plan.py",
+                "tests/test_decode_autotune.py"]
 
 
 @functools.cache
