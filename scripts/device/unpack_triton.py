@@ -21,6 +21,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,11 +70,18 @@ INDUCTOR_TIMEOUT_S = 90
 
 def inductor_check(env: dict[str, str], device: str = "cuda", timeout_s: float = INDUCTOR_TIMEOUT_S) -> bool | str:
     """True where ``torch.compile`` compiles and runs a small function on ``device`` under ``env``, else why not."""
-    try:  # (one compile thread: no pool of compile workers to start, or to outlive a failure)
-        r = subprocess.run([sys.executable, "-c", INDUCTOR_CHECK, device], capture_output=True, text=True, cwd="/",
-                           env={**env, "TORCHINDUCTOR_COMPILE_THREADS": "1"}, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return f"no answer in {timeout_s:.0f} s"
+    # One compile thread (no pool of compile workers to start, or to outlive a failure), and a cache of its own,
+    # so that the compiler is what answers: with SGLang imported, TORCHINDUCTOR_CACHE_DIR is SGLang's shared
+    # ~/.cache/sglang/inductor, and an entry written there under another ISA made the check crash or answer
+    # wrongly (2026-12-06, torch 2.14.1 on an AVX-512 CPU: one run with ATEN_CPU_CAPABILITY=avx2 into a cache,
+    # then one without: "double free or corruption (out)", rc -6; the cache's key misses the ISA)
+    with tempfile.TemporaryDirectory(prefix="oscar-inductor-check-") as cache:
+        try:
+            r = subprocess.run([sys.executable, "-c", INDUCTOR_CHECK, device], capture_output=True, text=True,
+                               cwd="/", env={**env, "TORCHINDUCTOR_COMPILE_THREADS": "1",
+                                             "TORCHINDUCTOR_CACHE_DIR": cache}, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"no answer in {timeout_s:.0f} s"
     if r.returncode == 0 and r.stdout.strip().endswith("inductor ok"):
         return True
     return (r.stderr.strip().splitlines() or ["no output"])[-1][:400]
