@@ -38,9 +38,9 @@ import record  # noqa: E402
 
 TILE_GAIN = 1.15   # a decode tile must be this much faster over the sweep to be worth the rerun
 LIMIT = f"DEVICE_LIMIT_S={goals.RERUN_LIMIT_S}"
-# The kernel tests that prove the fold's inline PTX and the read kernel natively, and what the call after a
+# The kernel tests that prove the fold's inline PTX, the read kernel and head size 256 natively, and what the call after a
 # servers-only one runs (docs/GPU.md, "The next lent session", step 2, quotes it).
-FOLD_TESTS = ("test_int2_codes_ptx.py test_kernels_read.py "
+FOLD_TESTS = ("test_int2_codes_ptx.py test_kernels_read.py test_kernels_head_dim_256.py "
               "test_kernels_decode.py::test_decode_with_folded_scales_is_within_fp16_rounding_of_the_reference "
               "test_kernels_decode.py::test_decode_fold_is_ignored_where_it_does_not_apply test_decode_autotune.py")
 BENCH_CALL = (f'ONLY="kernel_tests bench_kernels" BENCH_BUDGET_S=70 KERNEL_TEST_IDS="{FOLD_TESTS}" '
