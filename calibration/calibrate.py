@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from oscar_sglang import artifacts as art
 from oscar_sglang import rotation as rot
+from oscar_sglang.format import RowFormat
 
 from . import capture, data
 from .fit import (CLIP_GRID, RotatedSample, clip_curves, fold_scores, oscar_rotations, query_positions,
@@ -186,6 +187,8 @@ def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | Non
     ``copy_sequences``: also measure the policy on the copy task built from them (:func:`with_copy_task`).
     """
     t0 = time.time()
+    if cfg.bits is not None:
+        check_budget(model, cfg)   # before the statistics and the fit, not after them
     if cfg.method in DATA_FREE and cfg.bits is None:
         return fit(model, None, cfg, _summary(sequences, cfg, data_summary), progress)
     torch.manual_seed(cfg.seed)
@@ -203,6 +206,14 @@ def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | Non
         a.calibration["seconds"]["policy"] = round(time.time() - t1, 1)
     a.calibration["seconds"]["total"] = round(time.time() - t0, 1)
     return a, report
+
+
+def check_budget(model, cfg: CalibrationConfig) -> None:
+    """Refuse ``cfg.bits`` if it is below the cheapest row format the policy could pick for ``model``."""
+    from . import policy
+
+    d = art.ModelFingerprint.from_config(model.config).head_dim
+    policy.check_budget(cfg.bits, policy.candidate_formats(d, RowFormat(2, cfg.group_size), cfg.symmetric_rows), d)
 
 
 def policy_statistics(model, sequences, cfg: CalibrationConfig, progress: bool = True) -> GroupedStatistics:

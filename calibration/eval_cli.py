@@ -46,7 +46,8 @@ from oscar_sglang import artifacts as art
 
 from . import capture, data, diagnostics, evaluate, report
 from . import model as model_io
-from .calibrate import METHODS, CalibrationConfig, apply_policy, collect_statistics, fit, policy_costs, policy_inputs
+from .calibrate import (METHODS, CalibrationConfig, apply_policy, check_budget, collect_statistics, fit, policy_costs,
+                        policy_inputs)
 from .optr import OptRConfig
 
 KEY_SCALED = "+ks"  # method suffix: the same method with per-channel key scaling (key_scale.py)
@@ -216,6 +217,12 @@ def _load_model(args):
     return lm, tok, path, str(dtype).removeprefix("torch.")
 
 
+def _check_budgets(args, lm) -> None:
+    """Refuse a ``--policy-bits`` budget below the cheapest format for ``lm`` before anything is measured."""
+    for bits, sym in args.policy_bits:
+        check_budget(lm, CalibrationConfig(group_size=args.group, bits=bits, symmetric_rows=sym))
+
+
 def _configure(cfg: CalibrationConfig, method: str) -> None:
     """``optr+ks`` fits ``optr`` with key channel scaling; other names fit as they are."""
     cfg.method = method.removesuffix(KEY_SCALED)
@@ -237,6 +244,7 @@ def single(args, methods, argv) -> int:
     if overlap:
         return _error(f"texts in both calibration and evaluation data: {sorted(overlap)}")
     lm, tok, path, dtype = _load_model(args)
+    _check_budgets(args, lm)
 
     cfg = CalibrationConfig(method="optr", sink=args.sink, recent=args.recent, group_size=args.group,
                             seed=args.seed, optr=OptRConfig())
@@ -378,6 +386,7 @@ def cross_domain(args, methods, argv) -> int:
         if sink + recent >= ctx:
             return _error(f"window {sink}:{recent} covers the whole {ctx}-token context: nothing would read INT2")
     lm, tok, path, dtype = _load_model(args)
+    _check_budgets(args, lm)
     xfp = art.ModelFingerprint.from_config(lm.config)
     eval_seqs = {e: data.sequences_from_texts(tok, t, ctx, ctx * args.ppl_seqs) for e, t in eval_texts.items()}
 

@@ -166,13 +166,20 @@ def measure(samples_per_layer: list[list], sample_groups: list[int], group_names
                        list(group_names), d, formats.index(base))
 
 
+def check_budget(budget_bits: float, formats: list[RowFormat], head_dim: int) -> None:
+    """Refuse a budget below the cheapest of ``formats`` (cheapest first, as :func:`candidate_formats` lists
+    them): called before any measuring (``calibrate``, ``oscar-eval``) and again by :func:`choose`."""
+    cheapest = formats[0].bits_per_element(head_dim)
+    if budget_bits + 1e-9 < cheapest:
+        raise ValueError(f"a budget of {budget_bits:g} bits per element is below the cheapest format "
+                         f"({formats[0].name()}: {cheapest:g} bits)")
+
+
 def choose(costs: OptionCosts, budget_bits: float, groups=None) -> torch.Tensor:
     """Option index per (layer, side) ``[layers, 2]`` under ``budget_bits`` (module docstring, step 2)."""
     n_layers = costs.err.shape[0]
     bits = torch.tensor(costs.bits, dtype=torch.float64)
-    if budget_bits + 1e-9 < bits[0]:
-        raise ValueError(f"a budget of {budget_bits:g} bits per element is below the cheapest format "
-                         f"({costs.formats[0].name()}: {bits[0]:g} bits)")
+    check_budget(budget_bits, costs.formats, costs.head_dim)
     groups = list(range(costs.err.shape[-1])) if groups is None else list(groups)
     e = costs.err[..., groups].mean(-1)  # [L, 2, O]
     choice = torch.zeros(n_layers, 2, dtype=torch.long)

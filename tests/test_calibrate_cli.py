@@ -81,6 +81,13 @@ def test_calibrate_reports_bad_input_clearly(tmp_path, capsys):
     assert cli.main(["--method", "oscar", "--seq-len", "256", "--tokens", "512", "--out", str(tmp_path / "y")]) == 2
     assert "never leave the BF16 windows" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+    # a budget no format meets (d 64: symmetric INT2 2.25 bits) is refused once the model is read, not after the fit
+    assert cli.main(["--bits", "2", "--out", str(tmp_path / "z"), "--quiet"]) == 2
+    assert "below the cheapest format (int2sym/g64: 2.25 bits)" in capsys.readouterr().err
+    assert not (tmp_path / "z").exists()
+    assert eval_cli.main(["--data", "code", "--eval-data", "docs-eval", "--policy-bits", "2.75,2.1sym",
+                          "--out", str(tmp_path / "e"), "--quiet"]) == 2
+    assert "a budget of 2.1 bits per element is below the cheapest format" in capsys.readouterr().err
 
 
 def test_eval_refuses_overlapping_texts(tmp_path, capsys):

@@ -211,6 +211,24 @@ def test_policy_step_on_a_tiny_model_writes_a_v2_artifact_with_lower_errors(tiny
     assert sum(evaluate.layer_errors(tiny, evals, s_back)) < sum(evaluate.layer_errors(tiny, evals, sym_only))
 
 
+def test_a_budget_below_the_cheapest_format_is_refused_before_any_statistics(tiny, monkeypatch):
+    # d 16: INT2 with one group is 4 bits per element, symmetric INT2 3 (scale only); a refused budget must not
+    # cost the user the statistics and the fit first (it used to be found only when the policy chose)
+    def no_statistics(*args, **kwargs):
+        raise AssertionError("statistics collected for a budget that cannot be met")
+
+    monkeypatch.setattr(cal, "collect_statistics", no_statistics)
+    seqs = [torch.randint(0, 97, (96,), generator=torch.Generator().manual_seed(2)) for _ in range(2)]
+    for method, bits, sym, floor in (("optr", 3.9, False, "int2/g16: 4 bits"), ("hadamard", 2.0, True, "3 bits")):
+        cfg = cal.CalibrationConfig(method=method, sink=4, recent=8, bits=bits, symmetric_rows=sym)
+        with pytest.raises(ValueError, match=f"below the cheapest format .*{floor}"):
+            cal.calibrate(tiny, seqs, cfg, progress=False)
+    for bits, sym in ((4.0, False), (3.0, True)):   # the floor itself is a budget the policy can meet
+        cal.check_budget(tiny, cal.CalibrationConfig(bits=bits, symmetric_rows=sym))
+    with pytest.raises(ValueError, match="below the cheapest format"):   # groups of 8 cost more: 6 bits at d 16
+        cal.check_budget(tiny, cal.CalibrationConfig(group_size=8, bits=5.0))
+
+
 def test_fixed_query_positions_replace_only_the_samples_they_are_given_for():
     samples = [_sample(i) for i in range(3)]
     free = policy._positions(samples, 4, 8, 16, seed=5)
