@@ -27,23 +27,12 @@ from oscar_sglang import artifacts as art
 
 from . import data
 from . import model as model_io
+from .cli_args import bits_budget, check_out_dir, count
 from .calibrate import COPY_SPAN, METHODS, CalibrationConfig, calibrate, summary_table
 from .policy import DEFAULT_BITS
 from .policy import summary_table as policy_table
 from .fit import query_positions
 from .optr import OptRConfig
-
-
-def bits_budget(text: str) -> float | None:
-    if text.lower() in ("int2", "none"):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of bits per element or 'int2', got {text!r}") from None
-    if not 0 < value <= 16:
-        raise argparse.ArgumentTypeError(f"bits per element must lie in (0, 16], got {value:g}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,19 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="rotations directory to write")
     p.add_argument("--data", default="mix", help="calibration text (see above; default: mix of all domains)")
     p.add_argument("--method", default="optr", choices=METHODS)
-    p.add_argument("--tokens", type=int, default=20000, help="calibration tokens (default 20000)")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration sequence (default 1024)")
-    p.add_argument("--sink", type=int, default=art.DEFAULT_SINK, help="BF16 sink tokens served (default 64)")
-    p.add_argument("--recent", type=int, default=art.DEFAULT_RECENT, help="BF16 recent tokens served (default 256)")
-    p.add_argument("--group", type=int, default=None, help="quantization group size (default: head_dim)")
+    p.add_argument("--tokens", type=count(1), default=20000, help="calibration tokens (default 20000)")
+    p.add_argument("--seq-len", type=count(1), default=1024, help="tokens per calibration sequence (default 1024)")
+    p.add_argument("--sink", type=count(0), default=art.DEFAULT_SINK, help="BF16 sink tokens served (default 64)")
+    p.add_argument("--recent", type=count(0), default=art.DEFAULT_RECENT, help="BF16 recent tokens served (default 256)")
+    p.add_argument("--group", type=count(1), default=None, help="quantization group size (default: head_dim)")
     p.add_argument("--bits", type=bits_budget, default=DEFAULT_BITS,
                    help="precision policy: average stored bits per K/V element over all layers (scale and zero "
                         f"included); per layer and K/V the best of INT2 / INT2 with smaller groups / INT4 / INT8 "
                         f"(default {DEFAULT_BITS}: capacity >= 5.5x BF16); 'int2': INT2 rows everywhere")
-    p.add_argument("--policy-seq-len", type=int, default=None,
+    p.add_argument("--policy-seq-len", type=count(1), default=None,
                    help="tokens per sequence the precision policy measures its options on (default: --seq-len); "
                         "longer sequences weigh the far INT2 reads of long-context retrieval")
-    p.add_argument("--policy-copy-len", type=int, default=None,
+    p.add_argument("--policy-copy-len", type=count(1), default=None,
                    help="the precision policy also measures its options on a copy task: sequences of this many "
                         "tokens ending with a repeat of 64 tokens from their INT2 region, read by the repeat's "
                         "queries as retrieval reads a pass key (held-out groups DOMAIN+copy)")
@@ -79,12 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "on harder layers (default: on with a policy; docs/ACCURACY.md 'Symmetric rows')")
     p.add_argument("--value-weighting", choices=("exact", "proxy"), default="exact",
                    help="C_S from exact attention probabilities or the k C_Q k proxy")
-    p.add_argument("--keep-sequences", type=int, default=4, help="sequences used by clip search and OptR")
-    p.add_argument("--optr-steps", type=int, default=OptRConfig.steps)
+    p.add_argument("--keep-sequences", type=count(1), default=4, help="sequences used by clip search and OptR")
+    p.add_argument("--optr-steps", type=count(0), default=OptRConfig.steps)
     p.add_argument("--optr-lr", type=float, default=OptRConfig.lr)
     p.add_argument("--optr-lambda", type=float, default=OptRConfig.output_weight, help="weight of the output term")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto", choices=model_io.DEVICES,
                    help="where the model runs for the capture (default auto: CUDA when visible; the fit runs on CPU)")
     p.add_argument("--dtype", default="auto", choices=("auto", *model_io.DTYPES),
@@ -99,6 +88,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.time()
     try:
+        check_out_dir(args.out)
         if args.method not in ("identity", "hadamard"):
             # Fail before the long part if the windows swallow every sequence.
             query_positions(args.seq_len, args.sink, args.recent, 1, torch.Generator())
@@ -137,7 +127,7 @@ def main(argv=None) -> int:
         if gpu_mb is not None:
             artifact.calibration["peak_gpu_mb"] = round(gpu_mb)
         art.save(artifact, args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         print(f"oscar-calibrate: error: {e}", file=sys.stderr)
         return 2
     print(summary_table(report))

@@ -46,6 +46,7 @@ from oscar_sglang import artifacts as art
 
 from . import capture, data, diagnostics, evaluate, report
 from . import model as model_io
+from .cli_args import check_out_dir, count, counts
 from .calibrate import (METHODS, CalibrationConfig, apply_policy, check_budget, collect_statistics, fit, policy_costs,
                         policy_inputs)
 from .optr import OptRConfig
@@ -57,10 +58,6 @@ DEFAULT_METHODS = "bf16,identity,hadamard,hadamard-clip,hadamard-center,oscar,os
 CROSS_METHODS = "bf16,identity,hadamard,hadamard-center,oscar-center,optr"
 CROSS_CAL = "shakespeare,code,mix"
 UNCALIBRATED = ("bf16", "identity", "hadamard")  # nothing is fitted: evaluated once, not per calibration text
-
-
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
 
 
 def _floats(s: str) -> list[float]:
@@ -76,7 +73,14 @@ def _budgets(s: str) -> list[tuple[float, bool]]:
     for x in s.split(","):
         if x:
             sym = x.endswith(SYMMETRIC)
-            out.append((float(x.removesuffix(SYMMETRIC)), sym))
+            try:
+                bits = float(x.removesuffix(SYMMETRIC))
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"expected bits per element, e.g. 2.75 or 2.75{SYMMETRIC}, "
+                                                 f"got {x!r}") from None
+            if not 0 < bits <= 16:
+                raise argparse.ArgumentTypeError(f"bits per element must lie in (0, 16], got {bits:g}")
+            out.append((bits, sym))
     return out
 
 
@@ -99,8 +103,10 @@ def _windows(s: str) -> list[tuple[int, int]]:
     out = []
     for w in s.split(","):
         if w:
-            sink, _, recent = w.partition(":")
-            out.append((int(sink), int(recent)))
+            sink, sep, recent = w.partition(":")
+            if not sep:
+                raise argparse.ArgumentTypeError(f"expected SINK:RECENT, got {w!r}")
+            out.append((count(0)(sink), count(0)(recent)))
     return out
 
 
@@ -115,16 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
                    f"mix of the calibration parts of all domains; one of {', '.join(data.data_specs())}, "
                    "a .txt file or folder, ...)")
     p.add_argument("--eval-data", default="shakespeare-eval", help="evaluation text (never the calibration text)")
-    p.add_argument("--tokens", type=int, default=20000, help="calibration tokens")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--sink", type=int, default=art.DEFAULT_SINK)
-    p.add_argument("--recent", type=int, default=art.DEFAULT_RECENT)
-    p.add_argument("--group", type=int, default=None)
-    p.add_argument("--ppl-contexts", type=_ints, default=[1024, 2048])
-    p.add_argument("--ppl-seqs", type=int, default=2, help="evaluation sequences per context length (and domain)")
-    p.add_argument("--niah-lengths", type=_ints, default=[512, 1024, 2048])
+    p.add_argument("--tokens", type=count(1), default=20000, help="calibration tokens")
+    p.add_argument("--seq-len", type=count(1), default=1024)
+    p.add_argument("--sink", type=count(0), default=art.DEFAULT_SINK)
+    p.add_argument("--recent", type=count(0), default=art.DEFAULT_RECENT)
+    p.add_argument("--group", type=count(1), default=None)
+    p.add_argument("--ppl-contexts", type=counts(1), default=[1024, 2048])
+    p.add_argument("--ppl-seqs", type=count(1), default=2, help="evaluation sequences per context length (and domain)")
+    p.add_argument("--niah-lengths", type=counts(1), default=[512, 1024, 2048])
     p.add_argument("--niah-depths", type=_floats, default=[0.1, 0.5, 0.9])
-    p.add_argument("--niah-trials", type=int, default=2)
+    p.add_argument("--niah-trials", type=count(1), default=2)
     p.add_argument("--cross-domain", action="store_true",
                    help="calibrate on each --cross-cal text, evaluate tail perplexity on each --cross-eval text")
     p.add_argument("--cross-cal", default=CROSS_CAL, help=f"calibration texts for --cross-domain ({CROSS_CAL})")
@@ -138,10 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--symmetric-rows)")
     p.add_argument("--policy-base", default="optr", choices=METHODS[1:] + tuple(m + KEY_SCALED for m in SCALABLE),
                    help="calibrated method the policy starts from (default optr)")
-    p.add_argument("--policy-seq-len", type=int, default=None,
+    p.add_argument("--policy-seq-len", type=count(1), default=None,
                    help="tokens per sequence the policy measures its options on (oscar-calibrate --policy-seq-len; "
                         "default --seq-len)")
-    p.add_argument("--policy-copy-len", type=int, default=None,
+    p.add_argument("--policy-copy-len", type=count(1), default=None,
                    help="the policy also measures on a copy task of sequences of this length (oscar-calibrate "
                         "--policy-copy-len)")
     p.add_argument("--artifacts", type=_named_dirs, default={},
@@ -153,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the INT2 error after each calibrated method)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=count(1), default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--dtype", default="auto", choices=("auto", *model_io.DTYPES),
                    help="model dtype (default auto: bfloat16 on a GPU or a CPU with native bf16, else float32)")
     p.add_argument("--quiet", action="store_true")
@@ -203,10 +209,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        check_out_dir(args.out)
+        if args.save_artifacts is not None:
+            check_out_dir(args.save_artifacts, "--save-artifacts")
         if args.cross_domain:
             return cross_domain(args, methods, argv)
         return single(args, methods, argv)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         return _error(str(e))
 
 
