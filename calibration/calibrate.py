@@ -93,6 +93,33 @@ def attention_modules(model) -> list:
     return [mods[i] for i in sorted(mods)]
 
 
+def check_model(model) -> None:
+    """Refuse, before any work, a model whose attention the calibration cannot see or the INT2 server refuses.
+
+    The capture reads every layer through transformers' attention interface and the fit needs each layer's
+    ``o_proj`` (capture.py): a model without one such module per layer (GPT-2's fused ``c_attn``/``c_proj``)
+    would fail after its statistics.  Sliding-window layers and logit soft-capping (Gemma 2 and 3) are what
+    ``--kv-cache-dtype oscar-int2`` refuses at startup (docs/SGLANG.md, "What is refused"): rotations for them
+    could never be served.
+    """
+    fp = art.ModelFingerprint.from_config(model.config)
+    name, layers = type(model).__name__, fp.num_layers
+    found = sorted(m.layer_idx for m in attention_modules(model))
+    if found != list(range(layers)):
+        raise ValueError(f"{name}: oscar-calibrate needs one attention module with an o_proj per layer, read "
+                         f"through transformers' attention interface (Llama, Mistral, Qwen2/3, Gemma, Granite, "
+                         f"OLMo 2, Phi-3 and alike: docs/MODELS.md); found {len(found)} for {layers} layers")
+    text = getattr(model.config, "text_config", None) or model.config
+    sliding = [t for t in (getattr(text, "layer_types", None) or []) if "sliding" in str(t)]
+    if sliding:
+        raise ValueError(f"{name}: {len(sliding)} of its {layers} layers use sliding-window attention, which "
+                         "--kv-cache-dtype oscar-int2 does not serve (docs/SGLANG.md, 'What is refused')")
+    cap = getattr(text, "attn_logit_softcapping", None)
+    if cap:
+        raise ValueError(f"{name}: its attention logits are soft-capped ({cap:g}), which --kv-cache-dtype "
+                         "oscar-int2 does not serve (docs/SGLANG.md, 'What is refused')")
+
+
 # --- held-out groups and their statistics ----------------------------------------------------------
 
 def heldout_groups(sequences) -> list[tuple[str, list]]:
@@ -187,8 +214,9 @@ def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | Non
     ``copy_sequences``: also measure the policy on the copy task built from them (:func:`with_copy_task`).
     """
     t0 = time.time()
+    check_model(model)   # before the statistics and the fit, not after them
     if cfg.bits is not None:
-        check_budget(model, cfg)   # before the statistics and the fit, not after them
+        check_budget(model, cfg)
     if cfg.method in DATA_FREE and cfg.bits is None:
         return fit(model, None, cfg, _summary(sequences, cfg, data_summary), progress)
     torch.manual_seed(cfg.seed)

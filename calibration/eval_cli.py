@@ -47,8 +47,8 @@ from oscar_sglang import artifacts as art
 from . import capture, data, diagnostics, evaluate, report
 from . import model as model_io
 from .cli_args import check_out_dir, count, counts
-from .calibrate import (METHODS, CalibrationConfig, apply_policy, check_budget, collect_statistics, fit, policy_costs,
-                        policy_inputs)
+from .calibrate import (METHODS, CalibrationConfig, apply_policy, check_budget, check_model, collect_statistics, fit,
+                        policy_costs, policy_inputs)
 from .optr import OptRConfig
 
 KEY_SCALED = "+ks"  # method suffix: the same method with per-channel key scaling (key_scale.py)
@@ -253,6 +253,7 @@ def single(args, methods, argv) -> int:
     if overlap:
         return _error(f"texts in both calibration and evaluation data: {sorted(overlap)}")
     lm, tok, path, dtype = _load_model(args)
+    check_model(lm)
     _check_budgets(args, lm)
 
     cfg = CalibrationConfig(method="optr", sink=args.sink, recent=args.recent, group_size=args.group,
@@ -395,6 +396,7 @@ def cross_domain(args, methods, argv) -> int:
         if sink + recent >= ctx:
             return _error(f"window {sink}:{recent} covers the whole {ctx}-token context: nothing would read INT2")
     lm, tok, path, dtype = _load_model(args)
+    check_model(lm)
     _check_budgets(args, lm)
     xfp = art.ModelFingerprint.from_config(lm.config)
     eval_seqs = {e: data.sequences_from_texts(tok, t, ctx, ctx * args.ppl_seqs) for e, t in eval_texts.items()}
