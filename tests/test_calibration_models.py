@@ -2,6 +2,8 @@
 statistics, for a model whose attention it cannot read (GPT-2) or the INT2 server does not serve (sliding
 windows, soft-capped logits: Gemma 2 and 3)."""
 
+import fnmatch
+
 import pytest
 import torch
 
@@ -50,3 +52,34 @@ def test_models_it_cannot_read_or_serve_are_refused_before_any_statistics(model_
     seqs = [torch.randint(0, 512, (64,))]
     with pytest.raises(ValueError, match=msg):
         cal.calibrate(model, seqs, cal.CalibrationConfig(method="optr", sink=4, recent=8), progress=False)
+
+
+@pytest.mark.model
+def test_a_model_hub_id_is_read_from_the_hub_s_cache(tmp_path, monkeypatch):
+    """``--model OWNER/NAME`` as SGLang's ``--model-path`` takes it: the snapshot ``huggingface_hub`` keeps in its
+    cache (offline here: a cache laid out as the hub lays it out, holding the default model's files)."""
+    import huggingface_hub.constants
+
+    from oscar_sglang import assets
+    from oscar_sglang.calibration import model as model_io
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--acme--smol"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for f in assets.default_model_dir().iterdir():
+        (snapshot / f.name).symlink_to(f)
+        # what a download would fetch: every file a model folder of ours holds
+        assert any(fnmatch.fnmatch(f.name, pattern) for pattern in model_io.HUB_FILES), f.name
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert model_io.resolve("acme/smol") == snapshot
+    lm, tok, path = model_io.load("acme/smol", dtype=torch.float32)
+    assert path == snapshot and lm.config.num_hidden_layers == 30 and tok("Paris").input_ids
+    with pytest.raises(FileNotFoundError, match="acme/other: no such model folder or GGUF file here, and the "
+                                                "model hub could not provide it"):
+        model_io.resolve("acme/other")
+    with pytest.raises(FileNotFoundError, match="^nowhere: no such model folder or GGUF file$"):
+        model_io.resolve("nowhere")    # not a hub id: never asked of the hub
