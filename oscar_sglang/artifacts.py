@@ -21,6 +21,7 @@ served model, shapes, finiteness, orthogonality) and raises
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -300,7 +301,23 @@ def save(art: RotationArtifacts, directory: str | os.PathLike) -> Path:
         for i, layer in enumerate(art.layers)
         for name in names
     }
-    save_file(tensors, str(out / TENSORS))
+    # Each file is written beside its final name and moved over it (os.replace), and the manifest records the
+    # tensors' sha256: an interrupted or concurrent write leaves the old pair, or a pair that :func:`load`
+    # refuses, never a manifest describing other tensors (e.g. another layer's formats).
+    tmp_tensors, tmp_manifest = (out / f".{name}.{os.getpid()}.tmp" for name in (TENSORS, MANIFEST))
+    try:
+        save_file(tensors, str(tmp_tensors))
+        _write_manifest(art, _sha256(tmp_tensors), tmp_manifest)
+        os.replace(tmp_tensors, out / TENSORS)   # both written in full first: only the two renames in between
+        os.replace(tmp_manifest, out / MANIFEST)
+    finally:
+        for tmp in (tmp_tensors, tmp_manifest):
+            tmp.unlink(missing_ok=True)
+    return out
+
+
+def _write_manifest(art: RotationArtifacts, digest: str, path: Path) -> None:
+    scaled = any(layer.scaled for layer in art.layers)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION if scaled else 2,
@@ -310,9 +327,17 @@ def save(art: RotationArtifacts, directory: str | os.PathLike) -> Path:
         "bits_per_element": round(art.bits_per_element, 6),
         "layer_formats": [lf.to_json() for lf in art.layer_formats],
         "calibration": art.calibration,
+        "tensors_sha256": digest,
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    return out
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _inside(root: Path, path: Path) -> Path:
@@ -468,6 +493,11 @@ def load(
         tensors = load_file(str(tensors_path))
     except (SafetensorError, OSError, ValueError) as e:
         raise ArtifactError(f"{tensors_path}: unreadable safetensors file ({e})") from None
+    recorded = manifest.get("tensors_sha256")   # since 2026-12-07; older artifacts have none
+    if recorded is not None and recorded != _sha256(tensors_path):
+        raise ArtifactError(f"{tensors_path}: its sha256 is not the one {MANIFEST} records: the two files are not "
+                            "from the same oscar-calibrate run (one replaced or edited by hand, or a write cut "
+                            "short); calibrate again")
     layers = []
     for i in range(fp.num_layers):
         names = _tensor_names(version)

@@ -5,10 +5,12 @@ import types
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from oscar_sglang import artifacts as art
 from oscar_sglang import rotation as rot
+
+from artifact_files import rewrite_tensors  # noqa: E402
 
 FP = art.ModelFingerprint(
     architecture="LlamaForCausalLM", num_layers=3, hidden_size=128, num_attention_heads=4,
@@ -79,13 +81,38 @@ def saved(tmp_path):
 def _rewrite_tensor(d, key, fn):
     t = load_file(str(d / art.TENSORS))
     t[key] = fn(t[key])
-    save_file(t, str(d / art.TENSORS))
+    rewrite_tensors(d, t)
 
 
 def _rewrite_manifest(d, fn):
     m = json.loads((d / art.MANIFEST).read_text())
     fn(m)
     (d / art.MANIFEST).write_text(json.dumps(m))
+
+
+def test_tensors_from_another_run_are_refused_by_the_manifest_s_digest(saved, tmp_path):
+    # a rotations directory whose tensors were replaced by another calibration's (same model, same shapes:
+    # every other check passes) while its manifest still describes the first
+    other = _random_artifact()
+    other.layers[0].k_clip.fill_(0.5)
+    art.save(other, tmp_path / "other")
+    (saved / art.TENSORS).write_bytes((tmp_path / "other" / art.TENSORS).read_bytes())
+    with pytest.raises(art.ArtifactError, match=r"rotations\.safetensors: its sha256 is not the one manifest\.json "
+                                                r"records"):
+        art.load(saved)
+    # artifacts written before the digest (no tensors_sha256) load as before
+    _rewrite_manifest(saved, lambda m: m.pop("tensors_sha256"))
+    assert torch.equal(art.load(saved).layers[0].k_clip, other.layers[0].k_clip)
+
+
+def test_save_replaces_both_files_and_leaves_no_temporary_file(saved):
+    manifest = json.loads((saved / art.MANIFEST).read_text())
+    assert len(manifest["tensors_sha256"]) == 64
+    second = _random_artifact()
+    second.layers[1].v_clip.fill_(0.75)
+    art.save(second, saved)   # over the first, as a re-calibration into the same --out
+    assert sorted(p.name for p in saved.iterdir()) == sorted([art.MANIFEST, art.TENSORS])
+    assert torch.equal(art.load(saved).layers[1].v_clip, second.layers[1].v_clip)
 
 
 def test_missing_directory(tmp_path):
@@ -126,7 +153,7 @@ def test_wrong_shape(saved):
 def test_missing_layer_tensor(saved):
     t = load_file(str(saved / art.TENSORS))
     del t["layers.2.k_mean"]
-    save_file(t, str(saved / art.TENSORS))
+    rewrite_tensors(saved, t)
     with pytest.raises(art.ArtifactError, match=r"layer 2 lacks k_mean"):
         art.load(saved)
 
@@ -219,7 +246,7 @@ def test_huge_header_length_is_refused(saved, no_tensor_load):
 def test_unexpected_tensor_is_refused(saved, no_tensor_load):
     t = load_file(str(saved / art.TENSORS))  # bound at import, before no_tensor_load patched the module
     t["layers.7.k_rotation"] = torch.zeros(1)
-    save_file(t, str(saved / art.TENSORS))
+    rewrite_tensors(saved, t)
     with pytest.raises(art.ArtifactError, match=r"unexpected tensors layers\.7\.k_rotation for a model of 3 layers"):
         art.load(saved)
 

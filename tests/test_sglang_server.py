@@ -352,12 +352,14 @@ def _garble_manifest(d):
 
 def _skew_rotation(d):
     """Rewrite the tensors with safetensors directly (artifacts.save would refuse): layer 3's K rotation scaled."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
+
+    from artifact_files import rewrite_tensors
 
     path = d / "rotations.safetensors"
     tensors = load_file(str(path))
     tensors["layers.3.k_rotation"] = tensors["layers.3.k_rotation"] * 1.01
-    save_file(tensors, str(path))
+    rewrite_tensors(d, tensors)   # a crafted artifact: its digest recorded again
     return "layers.3.k_rotation is not orthogonal (max |R^T R - I| = "
 
 
