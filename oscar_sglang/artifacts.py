@@ -333,11 +333,8 @@ def _write_manifest(art: RotationArtifacts, digest: str, path: Path) -> None:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _inside(root: Path, path: Path) -> Path:
