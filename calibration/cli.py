@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from oscar_sglang import artifacts as art
+from oscar_sglang import assets
 
 from . import data
 from . import model as model_io
@@ -141,7 +143,19 @@ def main(argv=None) -> int:
     print(f"\nwrote {args.out} ({artifact.method}, {artifact.calibration['tokens']} tokens from {args.data}, "
           f"{len(artifact.layers)} layers; {artifact.bits_per_element:.3f} bits/element: {artifact.policy_summary()}) in {time.time() - t0:.0f} s, peak RSS {peak_mb:.0f} MB"
           + (f", peak GPU memory {gpu_mb:.0f} MB" if gpu_mb is not None else ""))
+    print(f"serve it with:\n  {serve_command(args.model, path, args.out)}")
+    if not torch.cuda.is_available():
+        print("  (without a GPU: SGLANG_USE_CPU_ENGINE=1 in the environment and --device cpu, as "
+              "scripts/quickstart.sh serves; README, 'What the main command does')")
     return 0
+
+
+def serve_command(model: str, path: Path, out: Path) -> str:
+    """The SGLang launch line for the rotations just written: the model as the user named it (a folder or a
+    hub id), or the folder a built-in name (``default``) resolved to."""
+    shown = path if model in assets.NAMED_MODELS else model
+    return (f"python -m sglang.launch_server --model-path {shlex.quote(str(shown))} --kv-cache-dtype oscar-int2 "
+            f"--oscar-rotations {shlex.quote(str(out))}")
 
 
 if __name__ == "__main__":

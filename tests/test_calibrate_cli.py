@@ -32,6 +32,9 @@ def test_calibrate_optr_writes_a_validated_artifact(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "OptR kept" in printed and f"wrote {out}" in printed
+    from oscar_sglang import assets   # the last line: how to serve it, the built-in name resolved to its folder
+    assert (f"serve it with:\n  python -m sglang.launch_server --model-path {assets.default_model_dir()} "
+            f"--kv-cache-dtype oscar-int2 --oscar-rotations {out}\n") in printed
     fp = _default_fingerprint()
     a = art.load(out, expect=fp)
     assert a.method == "optr" and (a.sink, a.recent) == (8, 32)

@@ -77,3 +77,11 @@ def test_both_tools_refuse_an_output_path_that_is_a_file_before_reading_the_mode
     assert f"oscar-eval: error: --out {target}: exists and is not a directory" in capsys.readouterr().err
     assert eval_cli.main(["--out", str(tmp_path / "ok"), "--save-artifacts", str(target / "x"), "--quiet"]) == 2
     assert "--save-artifacts" in capsys.readouterr().err and not (tmp_path / "ok").exists()
+
+
+def test_the_serve_line_names_the_model_as_given_and_quotes_paths(tmp_path):
+    out = tmp_path / "my rotations"
+    assert cli.serve_command("Qwen/Qwen3-8B", tmp_path / "snapshot", out) == (
+        f"python -m sglang.launch_server --model-path Qwen/Qwen3-8B --kv-cache-dtype oscar-int2 "
+        f"--oscar-rotations '{out}'")
+    assert cli.serve_command("default", tmp_path / "SmolLM2", out).split()[4] == str(tmp_path / "SmolLM2")
