@@ -206,12 +206,14 @@ def _summary(sequences, cfg: CalibrationConfig, data_summary: dict | None) -> di
 
 def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | None = None,
               progress: bool = True, policy_sequences=None,
-              copy_sequences=None) -> tuple[art.RotationArtifacts, list[dict]]:
+              copy_sequences=None, checkpoint=None) -> tuple[art.RotationArtifacts, list[dict]]:
     """Run the whole pipeline; returns the artifact and a per-layer report.
 
     ``policy_sequences`` (with ``cfg.bits``): the sequences the precision policy measures its options on
     (:func:`policy_statistics`), e.g. longer ones than the fit's; default the fit's kept sequences.
     ``copy_sequences``: also measure the policy on the copy task built from them (:func:`with_copy_task`).
+    ``checkpoint`` (a :class:`checkpoint.LayerCheckpoint` for these inputs): the fit's and the policy's finished
+    layers are recorded as they finish and read back by a later run, which resumes an interrupted one.
     """
     t0 = time.time()
     check_model(model)   # before the statistics and the fit, not after them
@@ -223,14 +225,14 @@ def calibrate(model, sequences, cfg: CalibrationConfig, data_summary: dict | Non
     stats = collect_statistics(model, sequences, cfg, progress)
     summary = _summary(sequences, cfg, data_summary)
     summary["seconds"] = {"statistics": round(time.time() - t0, 1)}
-    a, report = fit(model, None if cfg.method in DATA_FREE else stats, cfg, summary, progress)
+    a, report = fit(model, None if cfg.method in DATA_FREE else stats, cfg, summary, progress, checkpoint)
     if cfg.method in DATA_FREE:
         a.calibration = {**summary, "note": "data-free rotations; the precision policy measured on this text"}
     a.calibration.setdefault("seconds", {})
     if cfg.bits is not None:
         t1 = time.time()
         pstats, fixed = policy_inputs(model, stats, cfg, policy_sequences, copy_sequences, progress)
-        a = apply_policy(model, pstats, a, cfg, progress, fixed)
+        a = apply_policy(model, pstats, a, cfg, progress, fixed, checkpoint=checkpoint)
         a.calibration["seconds"]["policy"] = round(time.time() - t1, 1)
     a.calibration["seconds"]["total"] = round(time.time() - t0, 1)
     return a, report
@@ -275,7 +277,7 @@ def policy_inputs(model, stats: GroupedStatistics, cfg: CalibrationConfig, polic
 
 
 def policy_costs(model, stats: GroupedStatistics, artifact: art.RotationArtifacts, cfg: CalibrationConfig,
-                 progress: bool = True, fixed_positions: list | None = None):
+                 progress: bool = True, fixed_positions: list | None = None, checkpoint=None):
     """What every row-format option costs and buys per (layer, K/V) on ``stats`` (``policy.measure``)."""
     from . import policy
 
@@ -285,11 +287,12 @@ def policy_costs(model, stats: GroupedStatistics, artifact: art.RotationArtifact
                           [m.o_proj.weight.detach().cpu() for m in mods],
                           [float(getattr(m, "scaling", hd ** -0.5)) for m in mods],
                           n_queries=cfg.decision_queries, seed=cfg.seed, progress=progress,
-                          fixed_positions=fixed_positions, symmetric=cfg.symmetric_rows)
+                          fixed_positions=fixed_positions, symmetric=cfg.symmetric_rows, checkpoint=checkpoint)
 
 
 def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifacts, cfg: CalibrationConfig,
-                 progress: bool = True, fixed_positions: list | None = None, costs=None) -> art.RotationArtifacts:
+                 progress: bool = True, fixed_positions: list | None = None, costs=None,
+                 checkpoint=None) -> art.RotationArtifacts:
     """Measure every row-format option per (layer, K/V) and store the best mix under ``cfg.bits`` (policy.py).
 
     ``fixed_positions``: query positions per kept sample (:func:`with_copy_task`); default random reads.
@@ -298,7 +301,7 @@ def apply_policy(model, stats: GroupedStatistics, artifact: art.RotationArtifact
     from . import policy
 
     if costs is None:
-        costs = policy_costs(model, stats, artifact, cfg, progress, fixed_positions)
+        costs = policy_costs(model, stats, artifact, cfg, progress, fixed_positions, checkpoint)
     choice = policy.choose(costs, cfg.bits)
     check = policy.heldout_check(costs, cfg.bits)
     out = policy.apply(artifact, costs, choice)
@@ -391,8 +394,11 @@ def _as_grouped(stats) -> GroupedStatistics:
 
 
 def fit(model, stats: GroupedStatistics | StatsCollector | None, cfg: CalibrationConfig, summary: dict,
-        progress: bool = True) -> tuple[art.RotationArtifacts, list[dict]]:
-    """Fit ``cfg.method`` from collected statistics (several methods can share them)."""
+        progress: bool = True, checkpoint=None) -> tuple[art.RotationArtifacts, list[dict]]:
+    """Fit ``cfg.method`` from collected statistics (several methods can share them).
+
+    ``checkpoint`` (a :class:`checkpoint.LayerCheckpoint`): layers finished by an earlier run of the same inputs
+    are read back, each layer fitted here is recorded as it finishes."""
     t0 = time.time()
     fp = art.ModelFingerprint.from_config(model.config)
     group = cfg.group_size or fp.head_dim
@@ -411,7 +417,14 @@ def fit(model, stats: GroupedStatistics | StatsCollector | None, cfg: Calibratio
     zero = torch.zeros(fp.num_kv_heads, fp.head_dim, dtype=torch.float64)
     all_heads = torch.ones(fp.num_kv_heads, dtype=torch.bool)
     layers, report = [], []
+    stage = f"fit-{cfg.method}"
     for i in tqdm(range(fp.num_layers), desc=f"fit {cfg.method}", unit="layer", disable=not progress):
+        saved = None if checkpoint is None else checkpoint.get(stage, i)
+        if saved is not None:
+            tensors, row = saved
+            layers.append(art.LayerRotation(*(tensors[name] for name in art.LayerRotation.TENSOR_NAMES)))
+            report.append(row)
+            continue
         st = stats.layers[i]
         scale = float(getattr(mods[i], "scaling", fp.head_dim ** -0.5))
         row = {"layer": i}
@@ -466,6 +479,9 @@ def fit(model, stats: GroupedStatistics | StatsCollector | None, cfg: Calibratio
                                         k_scale))
         row.update({name: v.tolist() for name, v in clips.items()})
         report.append(row)
+        if checkpoint is not None:
+            checkpoint.put(stage, i, {name: getattr(layers[-1], name) for name in art.LayerRotation.TENSOR_NAMES},
+                           row)
     summary = {**summary, "method_seconds": round(time.time() - t0, 1), "layers": report,
                "acceptance": ACCEPTANCE if n_groups >= 2 else
                "one held-out group only: data-dependent choices kept unchecked (OptR checks the last kept sequence)"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import resource
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -32,11 +33,14 @@ from oscar_sglang import assets
 from . import data
 from . import model as model_io
 from .cli_args import bits_budget, check_out_dir, count
-from .calibrate import COPY_SPAN, METHODS, CalibrationConfig, calibrate, summary_table
+from .calibrate import COPY_SPAN, METHODS, CalibrationConfig, calibrate, check_budget, check_model, summary_table
+from .checkpoint import LayerCheckpoint, run_key
 from .policy import DEFAULT_BITS
 from .policy import summary_table as policy_table
 from .fit import query_positions
 from .optr import OptRConfig
+
+PARTIAL = ".partial"  # OUT/.partial: the per-layer checkpoints of a run not finished yet
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the model runs for the capture (default auto: CUDA when visible; the fit runs on CPU)")
     p.add_argument("--dtype", default="auto", choices=("auto", *model_io.DTYPES),
                    help="model dtype (default auto: bfloat16 on a GPU or a CPU with native bf16, else float32)")
+    p.add_argument("--no-resume", action="store_true",
+                   help=f"start afresh: by default the layers an interrupted run of the same command finished "
+                        f"(kept in OUT/{PARTIAL} until the rotations are written) are read back")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
@@ -125,8 +132,16 @@ def main(argv=None) -> int:
         policy_seqs, copy_seqs = (None if n is None else
                                   data.sequences_from_texts(tok, texts, n, n * args.keep_sequences)
                                   for n in (args.policy_seq_len, args.policy_copy_len))
+        check_model(lm)   # refusals first: no checkpoint folder for a run that cannot start
+        if cfg.bits is not None:
+            check_budget(lm, cfg)
+        ckpt = _checkpoint(args, cfg, lm, [seqs, policy_seqs, copy_seqs], path, device)
         artifact, report = calibrate(lm, seqs, cfg, data_summary, progress=not args.quiet,
-                                     policy_sequences=policy_seqs, copy_sequences=copy_seqs)
+                                     policy_sequences=policy_seqs, copy_sequences=copy_seqs, checkpoint=ckpt)
+        if ckpt.resumed:   # said even with --quiet (which only turns off the progress bars)
+            print("resumed an interrupted run: " + ", ".join(f"{n} layers of {stage}"
+                                                              for stage, n in ckpt.resumed.items())
+                  + f" read back from {ckpt.directory}", flush=True)
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         artifact.calibration["peak_rss_mb"] = round(peak_mb)
         artifact.calibration["device"], artifact.calibration["dtype"] = device, str(dtype).removeprefix("torch.")
@@ -134,6 +149,7 @@ def main(argv=None) -> int:
         if gpu_mb is not None:
             artifact.calibration["peak_gpu_mb"] = round(gpu_mb)
         art.save(artifact, args.out)
+        ckpt.remove()
     except (OSError, ValueError) as e:
         print(f"oscar-calibrate: error: {e}", file=sys.stderr)
         return 2
@@ -148,6 +164,17 @@ def main(argv=None) -> int:
         print("  (without a GPU: SGLANG_USE_CPU_ENGINE=1 in the environment and --device cpu, as "
               "scripts/quickstart.sh serves; README, 'What the main command does')")
     return 0
+
+
+def _checkpoint(args, cfg, lm, sequences, path, device) -> LayerCheckpoint:
+    """The run's per-layer checkpoints in ``OUT/.partial`` (calibration/checkpoint.py): read back when the
+    same command was interrupted before, emptied when anything it depends on changed or with ``--no-resume``."""
+    key = run_key(cfg, lm, sequences, {"data": args.data, "model_path": str(path), "device": device,
+                                       "groups": [getattr(s, "groups", None) for s in sequences]})
+    directory = args.out / PARTIAL
+    if args.no_resume:
+        shutil.rmtree(directory, ignore_errors=True)
+    return LayerCheckpoint(directory, key)
 
 
 def serve_command(model: str, path: Path, out: Path) -> str:

@@ -141,11 +141,13 @@ def _layer_costs(samples, sample_groups: torch.Tensor, n_groups: int, layer: art
 def measure(samples_per_layer: list[list], sample_groups: list[int], group_names: list[str],
             artifact: art.RotationArtifacts, w_o: list[torch.Tensor], scales: list[float], n_queries: int = 64,
             seed: int = 0, progress: bool = True, fixed_positions: list | None = None,
-            symmetric: bool = False) -> OptionCosts:
+            symmetric: bool = False, checkpoint=None) -> OptionCosts:
     """Error of every option for every (layer, side) on the kept sequences (module docstring, step 1).
 
     ``fixed_positions[i]``: the query positions of sample ``i`` (None: ``n_queries`` random decode reads).
     ``symmetric``: the symmetric row options too (:data:`SYMMETRIC_OPTIONS`).
+    ``checkpoint`` (a :class:`checkpoint.LayerCheckpoint`): layers measured by an earlier run of the same
+    inputs are read back, each layer measured here is recorded.
     """
     d = artifact.model.head_dim
     bases = artifact.layer_formats
@@ -157,9 +159,15 @@ def measure(samples_per_layer: list[list], sample_groups: list[int], group_names
     n_groups = len(group_names)
     errs, clips = [], []
     for i in tqdm(range(len(artifact.layers)), desc="policy: measure options", unit="layer", disable=not progress):
-        lr = artifact.layers[i].to(None, torch.float32)
-        e, c = _layer_costs(samples_per_layer[i], groups, n_groups, lr, bases[i], formats, w_o[i].float(), scales[i],
-                            artifact.sink, artifact.recent, n_queries, seed + 3000 + i, fixed_positions)
+        saved = None if checkpoint is None else checkpoint.get("policy", i)
+        if saved is not None:
+            e, c = saved[0]["err"], saved[0]["clips"]
+        else:
+            lr = artifact.layers[i].to(None, torch.float32)
+            e, c = _layer_costs(samples_per_layer[i], groups, n_groups, lr, bases[i], formats, w_o[i].float(),
+                                scales[i], artifact.sink, artifact.recent, n_queries, seed + 3000 + i, fixed_positions)
+            if checkpoint is not None:
+                checkpoint.put("policy", i, {"err": e, "clips": c}, {})
         errs.append(e)
         clips.append(c)
     return OptionCosts(formats, [f.bits_per_element(d) for f in formats], torch.stack(errs), torch.stack(clips),

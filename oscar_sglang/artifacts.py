@@ -308,6 +308,9 @@ def save(art: RotationArtifacts, directory: str | os.PathLike) -> Path:
     try:
         save_file(tensors, str(tmp_tensors))
         _write_manifest(art, _sha256(tmp_tensors), tmp_manifest)
+        # safetensors creates its file readable by its owner only; the manifest's mode follows the umask, as a
+        # server run by another user (a service account) needs for both
+        os.chmod(tmp_tensors, tmp_manifest.stat().st_mode & 0o777)
         os.replace(tmp_tensors, out / TENSORS)   # both written in full first: only the two renames in between
         os.replace(tmp_manifest, out / MANIFEST)
     finally:

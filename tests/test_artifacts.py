@@ -1,6 +1,7 @@
 """Rotation artifacts: round trip, validation, and one clear error per bad case."""
 
 import json
+import os
 import types
 
 import pytest
@@ -112,6 +113,9 @@ def test_save_replaces_both_files_and_leaves_no_temporary_file(saved):
     second.layers[1].v_clip.fill_(0.75)
     art.save(second, saved)   # over the first, as a re-calibration into the same --out
     assert sorted(p.name for p in saved.iterdir()) == sorted([art.MANIFEST, art.TENSORS])
+    # both as the umask makes any file (safetensors alone would make the tensors readable by their owner only)
+    assert (saved / art.TENSORS).stat().st_mode & 0o777 == (saved / art.MANIFEST).stat().st_mode & 0o777
+    assert (saved / art.TENSORS).stat().st_mode & 0o044 == 0o044 or os.umask(os.umask(0)) & 0o044
     assert torch.equal(art.load(saved).layers[1].v_clip, second.layers[1].v_clip)
 
 

@@ -10,6 +10,7 @@ cross-domain table, the evaluation of every method with a policy) run with
 import json
 
 import pytest
+import torch
 
 from oscar_sglang import artifacts as art
 from oscar_sglang.calibration import cli, eval_cli
@@ -32,6 +33,7 @@ def test_calibrate_optr_writes_a_validated_artifact(tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr().out
     assert "OptR kept" in printed and f"wrote {out}" in printed
+    assert not (out / cli.PARTIAL).exists()   # the checkpoints are gone once the rotations are written
     from oscar_sglang import assets   # the last line: how to serve it, the built-in name resolved to its folder
     assert (f"serve it with:\n  python -m sglang.launch_server --model-path {assets.default_model_dir()} "
             f"--kv-cache-dtype oscar-int2 --oscar-rotations {out}\n") in printed
@@ -76,6 +78,37 @@ def test_policy_measures_on_its_own_longer_sequences(tmp_path, capsys):
     assert "needs a precision policy" in capsys.readouterr().err
     assert cli.main(["--policy-copy-len", "300", "--out", str(tmp_path / "x")]) == 2   # before the long part
     assert "does not fit 300-token sequences" in capsys.readouterr().err
+
+
+def test_an_interrupted_calibration_resumes_where_it_stopped(tmp_path, capsys, monkeypatch):
+    from oscar_sglang.calibration import policy
+
+    argv = ["--method", "hadamard-center", "--tokens", "768", "--seq-len", "256", "--sink", "8", "--recent", "32",
+            "--keep-sequences", "3", "--quiet"]
+    out = tmp_path / "rot"
+    calls = [0]
+    measure = policy._layer_costs
+
+    def ctrl_c_in_layer_5(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 6:
+            raise KeyboardInterrupt
+        return measure(*args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(policy, "_layer_costs", ctrl_c_in_layer_5)
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(argv + ["--out", str(out)])
+    assert not (out / "manifest.json").exists() and len(list((out / cli.PARTIAL).glob("*.json"))) == 30 + 5 + 1
+    capsys.readouterr()
+    assert cli.main(argv + ["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "resumed an interrupted run: 30 layers of fit-hadamard-center, 5 layers of policy read back" in printed
+    assert not (out / cli.PARTIAL).exists()
+    assert cli.main(argv + ["--out", str(tmp_path / "fresh"), "--no-resume"]) == 0   # never interrupted
+    a, b = art.load(out), art.load(tmp_path / "fresh")
+    assert a.layer_formats == b.layer_formats
+    assert all(torch.equal(getattr(x, n), getattr(y, n)) for x, y in zip(a.layers, b.layers) for n in x.TENSOR_NAMES)
 
 
 def test_calibrate_reports_bad_input_clearly(tmp_path, capsys):
