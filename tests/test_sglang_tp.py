@@ -1,10 +1,9 @@
 """Tensor parallelism: each rank serves the rotations of the KV heads it holds (per-KV-head rotations slice exactly).
 
-SGLang 0.5.23's CPU engine cannot run ``--tp 2`` (its model-parallel groups
-build a NCCL communicator for the CPU device: "Expected a cuda device"; see
-docs/SGLANG.md), so the slicing is tested here at the pool and kernel level:
-every rank's pool, fed its heads of the same tokens, must give exactly the
-full pool's output for its query heads.
+Here at the pool and kernel level: every rank's pool, fed its heads of the same
+tokens, must give exactly the full pool's output for its query heads, for tp
+up to 8 (more ranks than two CPU cores run as servers).  The real ``--tp-size 2``
+servers of a trained model: ``tests/test_sglang_tp_server.py``.
 """
 
 import os
@@ -65,6 +64,10 @@ def test_rank_slice_of_the_artifacts_is_exact():
         for name in art.LayerRotation.TENSOR_NAMES:
             assert torch.equal(getattr(mine, name), getattr(full, name)[2:4])
     assert part.model == a.model  # still the whole model's fingerprint
+    # the startup line says which heads a rank serves (the real servers' lines: tests/test_sglang_tp_server.py)
+    assert (cfg.heads_note(), cfg.for_rank(2, 1).kv_heads) == ("", (2, 3))
+    assert cfg.for_rank(2, 1).heads_note() == ", KV heads 2-3 of 4 (this tensor-parallel rank's share)"
+    assert cfg.for_rank(8, 5).heads_note() == ", KV head 2 of 4 (this tensor-parallel rank's share)"
     with pytest.raises(OscarConfigError, match="outside a group of 2"):
         cfg.for_rank(2, 2)
 

@@ -136,6 +136,7 @@ class ServingConfig:
     sink: int
     recent: int
     hot_requests: int = DEFAULT_HOT_REQUESTS
+    kv_heads: tuple[int, ...] | None = None   # the model's KV heads these artifacts hold; None: all of them
 
     @property
     def layer_formats(self) -> list:
@@ -152,7 +153,15 @@ class ServingConfig:
         heads = kv_heads_of_rank(self.artifacts.model.num_kv_heads, tp_size, tp_rank)
         if heads == list(range(self.artifacts.model.num_kv_heads)):
             return self
-        return replace(self, artifacts=self.artifacts.for_kv_heads(heads))
+        return replace(self, artifacts=self.artifacts.for_kv_heads(heads), kv_heads=tuple(heads))
+
+    def heads_note(self) -> str:
+        """Which of the model's KV heads this config serves, for the startup line ("" for all of them)."""
+        if self.kv_heads is None:
+            return ""
+        total, heads = self.artifacts.model.num_kv_heads, self.kv_heads
+        span = f"head {heads[0]}" if len(heads) == 1 else f"heads {heads[0]}-{heads[-1]}"
+        return f", KV {span} of {total} (this tensor-parallel rank's share)"
 
 
 def kv_heads_of_rank(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
