@@ -32,6 +32,7 @@ import pytest
 
 from oscar_sglang import artifacts
 from oscar_sglang.sglang.launcher import local_server, post, server_env
+from test_architectures import _prompt_ids, _prompt_moves   # the same prompt, and its comparison
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 
@@ -39,7 +40,6 @@ SITE = Path(__file__).parent / "cpu_tp_site"
 SINK, RECENT, CHUNK, DECODE = 4, 16, 64, 16
 SERVER_FLAGS = ("--max-total-tokens", "2048", "--chunked-prefill-size", str(CHUNK))
 INT2_FLAGS = ("--kv-cache-dtype", "oscar-int2", "--oscar-sink", str(SINK), "--oscar-recent", str(RECENT))
-PROMPT_CHARS = slice(20000, 21500)   # of the first evaluation play: ~400 tokens, 7 chunks
 TP_MEAN = 0.25      # nats: two ranks against one, INT2 (measured 0.099)
 SENSITIVITY = 3.0   # the swapped heads must move the prompt by this many TP_MEANs at least (measured 1.41 nats)
 CLOSE = 1.1         # two ranks' error against BF16 within this factor of one rank's (measured 0.990)
@@ -51,16 +51,6 @@ def _two_cores() -> str:
     if len(cores) < 2:
         pytest.skip("two ranks need two cores")
     return f"{cores[0]}|{cores[1]}"
-
-
-def _prompt_ids(model: Path) -> list[int]:
-    from transformers import AutoTokenizer
-
-    from oscar_sglang import assets, configs
-
-    play = configs.text_split()[1][0]   # the first evaluation play: never calibrated on
-    text = assets.read_texts([play])[play][PROMPT_CHARS]
-    return AutoTokenizer.from_pretrained(model)(text).input_ids
 
 
 def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1) -> dict:
@@ -83,8 +73,7 @@ def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1) 
 
 
 def _moved(a: dict, b: dict) -> float:
-    assert len(a["prompt"]) == len(b["prompt"])
-    return sum(abs(x - y) for x, y in zip(a["prompt"], b["prompt"])) / len(a["prompt"])
+    return _prompt_moves(a, b)[0]
 
 
 @pytest.fixture(scope="module")

@@ -189,7 +189,8 @@ def summary_line(pool, capacity_tokens: int) -> str:
     bf16 = sizing.bf16_bytes_per_token(layers, h, d)
     hot_bytes = pool.hot.entries * sizing.hot_bytes_per_entry(layers, h, d)
     return (f"oscar-int2 KV cache: method={cfg.artifacts.method}, {cfg.bits_per_element:.4g} bits/element "
-            f"(layers per format: {cfg.artifacts.policy_summary()}){cfg.heads_note()}, sink={cfg.sink}, recent={cfg.recent}, "
+            f"(layers per format: {cfg.artifacts.policy_summary()}){cfg.heads_note()}, "
+            f"sink={cfg.sink}, recent={cfg.recent}, "
             f"KV capacity={capacity_tokens} tokens at {rows} B/token (BF16: {bf16} B/token, "
             f"{bf16 / rows:.2f}x), plus a BF16 hot pool of {pool.hot.entries} entries for "
             f"{pool.hot_requests} requests ({hot_bytes / 2**20:.1f} MiB)")
