@@ -220,8 +220,9 @@ class RotationArtifacts:
             parts.append(f"{name} ({sides})")
         return ", ".join(parts)
 
-    def for_kv_heads(self, heads: list[int]) -> "RotationArtifacts":
-        """A copy whose layers hold only KV heads ``heads`` (a tensor-parallel rank's share).
+    def for_kv_heads(self, heads: list[int], padding: int = 0) -> "RotationArtifacts":
+        """A copy whose layers hold only KV heads ``heads`` (a tensor-parallel rank's share), then ``padding``
+        neutral heads (identity rotations, no mean, clip and scale 1) for heads that hold no model weights.
 
         Rotations are per KV head, so a rank's slice is exact. The fingerprint
         stays the whole model's; the copy is for serving, not for ``save``.
@@ -229,8 +230,20 @@ class RotationArtifacts:
         from dataclasses import replace
 
         index = torch.tensor(heads, dtype=torch.long)
-        layers = [LayerRotation(*(getattr(lr, n).index_select(0, index) for n in LayerRotation.TENSOR_NAMES))
-                  for lr in self.layers]
+        d = self.model.head_dim
+
+        def neutral(name: str, like: torch.Tensor) -> torch.Tensor:
+            if name.endswith("rotation"):
+                return torch.eye(d, dtype=like.dtype, device=like.device).expand(padding, d, d)
+            fill = torch.zeros if name == "k_mean" else torch.ones
+            return fill((padding, *like.shape[1:]), dtype=like.dtype, device=like.device)
+
+        layers = []
+        for lr in self.layers:
+            parts = {n: getattr(lr, n).index_select(0, index) for n in LayerRotation.TENSOR_NAMES}
+            if padding:
+                parts = {n: torch.cat([t, neutral(n, t)]) for n, t in parts.items()}
+            layers.append(LayerRotation(**parts))
         return replace(self, layers=layers)
 
     def with_formats(self, formats: list[LayerFormat] | None) -> "RotationArtifacts":

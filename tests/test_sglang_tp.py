@@ -7,13 +7,14 @@ servers of a trained model: ``tests/test_sglang_tp_server.py``.
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
 from oscar_sglang import artifacts as art
 from oscar_sglang.kernels import api as kernels
-from oscar_sglang.sglang.settings import OscarConfigError, ServingConfig, kv_heads_of_rank
+from oscar_sglang.sglang.settings import OscarConfigError, ServingConfig, kv_heads_of_rank, served_fingerprint
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
@@ -22,16 +23,20 @@ FP = art.ModelFingerprint(architecture="LlamaForCausalLM", num_layers=2, hidden_
                           num_kv_heads=KV, head_dim=D, vocab_size=100, rope_type="default", rope_theta=1e4)
 
 
-def _artifacts():
+def _artifacts(kv: int = KV):
     g = torch.Generator().manual_seed(0)
 
     def orth():
         return torch.stack([torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))[0]
-                            for _ in range(KV)]).float()
+                            for _ in range(kv)]).float()
 
-    layers = [art.LayerRotation(orth(), orth(), torch.randn(KV, D, generator=g), torch.rand(KV, generator=g) * 0.2 + 0.8,
-                                torch.rand(KV, generator=g) * 0.2 + 0.8) for _ in range(FP.num_layers)]
-    return art.RotationArtifacts(FP, "unit", layers, sink=2, recent=4, group_size=16)
+    fp = replace(FP, num_kv_heads=kv, num_attention_heads=2 * kv, hidden_size=2 * kv * D)
+    def clip():
+        return torch.rand(kv, generator=g) * 0.2 + 0.8
+
+    layers = [art.LayerRotation(orth(), orth(), torch.randn(kv, D, generator=g), clip(), clip(),
+                                torch.rand(kv, D, generator=g) + 0.5) for _ in range(fp.num_layers)]
+    return art.RotationArtifacts(fp, "unit", layers, sink=2, recent=4, group_size=16)
 
 
 @pytest.mark.parametrize("total", [1, 2, 3, 4, 8])
@@ -72,6 +77,43 @@ def test_rank_slice_of_the_artifacts_is_exact():
         cfg.for_rank(2, 2)
 
 
+def _padded_config(total_q: int, total_kv: int, tp: int, head_dim: bool = True):
+    """A config as SGLang's CPU engine leaves it for ``--tp-size tp`` (``adjust_config_with_unaligned_cpu_tp``)."""
+    pad = -(-total_kv // tp) * tp if total_q % tp or total_kv % tp else total_kv
+    cfg = type("Config", (), dict(architectures=["LlamaForCausalLM"], num_hidden_layers=2, hidden_size=total_q * D,
+                                  num_attention_heads=pad * (total_q // total_kv), num_key_value_heads=pad,
+                                  original_num_attention_heads=total_q, original_total_num_kv_heads=total_kv,
+                                  vocab_size=100, rope_theta=1e4))()
+    if head_dim:
+        cfg.head_dim = D
+    return cfg
+
+
+@pytest.mark.parametrize("head_dim", [True, False])
+def test_fingerprint_of_a_model_sglangs_cpu_engine_padded(head_dim):
+    fp, padded = served_fingerprint(_padded_config(6, 3, 2, head_dim))
+    assert (fp.num_attention_heads, fp.num_kv_heads, fp.head_dim, fp.hidden_size, padded) == (6, 3, D, 6 * D, 4)
+    assert served_fingerprint(_padded_config(8, 4, 2))[1] is None   # 2 ranks divide 4 heads: nothing padded
+    assert served_fingerprint(_padded_config(8, 4, 2))[0] == _artifacts(4).model
+    assert not _artifacts(3).model.mismatches(fp)
+
+
+def test_padded_rank_shares_hold_the_model_heads_then_neutral_ones():
+    a = _artifacts(3)
+    cfg = ServingConfig(a, 2, 4, padded_kv_heads=4)
+    first, second = cfg.for_rank(2, 0), cfg.for_rank(2, 1)
+    assert (first.kv_heads, first.padding_heads, second.kv_heads, second.padding_heads) == ((0, 1), 0, (2,), 1)
+    for full, mine in zip(a.layers, second.artifacts.layers):
+        assert torch.equal(mine.k_rotation[0], full.k_rotation[2]) and torch.equal(mine.k_scale[0], full.k_scale[2])
+        assert torch.equal(mine.k_rotation[1], torch.eye(D)) and torch.equal(mine.v_rotation[1], torch.eye(D))
+        assert not mine.k_mean[1].any() and (mine.k_scale[1] == 1).all() and (mine.k_clip[1] == 1).all()
+    assert second.heads_note() == (", KV head 2 of 3 and 1 padding head (this tensor-parallel rank's share; "
+                                   "SGLang's CPU engine pads the 3 KV heads to 4)")
+    only = ServingConfig(a, 2, 4, padded_kv_heads=4).for_rank(4, 3)
+    assert (only.kv_heads, only.padding_heads, only.artifacts.layers[0].k_rotation.shape) == ((), 1, (1, D, D))
+    assert only.heads_note().startswith(", none of the 3 KV heads and 1 padding head (")
+
+
 def _pool(cfg, heads):
     from oscar_sglang.sglang.pool import OscarInt2Pool
 
@@ -79,19 +121,29 @@ def _pool(cfg, heads):
                          start_layer=0, end_layer=2)
 
 
-@pytest.mark.parametrize("tp", [2, 4, 8])
-def test_each_rank_decodes_exactly_its_query_heads_of_the_full_pool(tp):
+@pytest.mark.parametrize("kv,tp,pad", [(4, 2, False), (4, 4, False), (4, 8, False), (3, 2, True), (3, 4, True),
+                                       (3, 8, True), (4, 8, True)])
+def test_each_rank_decodes_exactly_its_query_heads_of_the_full_pool(kv, tp, pad):
+    """Ranks of the same tokens' heads against the full pool: split (4 heads), replicated as on a GPU (4 heads, 8
+    ranks) and, with ``pad``, padded as SGLang's CPU engine pads heads that the ranks do not divide: zero weights,
+    so the padding heads' keys, values and queries are zero and their output must be zero too."""
     pytest.importorskip("sglang")
-    full_cfg = ServingConfig(_artifacts(), 2, 4, hot_requests=2)
+    group = 2   # query heads per KV head
+    slots = -(-kv // tp) * tp if pad else kv   # the KV heads SGLang serves: padded up to a multiple of tp
+    full_cfg = ServingConfig(_artifacts(kv), 2, 4, hot_requests=2, padded_kv_heads=slots if slots != kv else None)
     g = torch.Generator().manual_seed(tp)
     lens = [13, 7]
     req_to_token = torch.zeros(2, 64, dtype=torch.int32)
     req_to_token[0, :13] = torch.arange(1, 14)
     req_to_token[1, :7] = torch.arange(20, 27)
     loc = torch.cat([req_to_token[0, :13], req_to_token[1, :7]]).long()
-    k = (torch.randn(len(loc), KV, D, generator=g) * 3).to(torch.bfloat16)
-    v = torch.randn(len(loc), KV, D, generator=g).to(torch.bfloat16)
-    q = torch.randn(2, QH, D, generator=g).to(torch.bfloat16)
+
+    def padded(x):
+        return torch.cat([x, torch.zeros(x.shape[0], slots * x.shape[1] // kv - x.shape[1], D, dtype=x.dtype)], 1)
+
+    k = padded((torch.randn(len(loc), kv, D, generator=g) * 3).to(torch.bfloat16))
+    v = padded(torch.randn(len(loc), kv, D, generator=g).to(torch.bfloat16))
+    q = padded(torch.randn(2, group * kv, D, generator=g).to(torch.bfloat16))
     args = (torch.tensor([0, 1]), torch.tensor([0, 0], dtype=torch.int32), torch.tensor(lens), req_to_token)
 
     def serve(pool, heads, q_heads):
@@ -104,13 +156,15 @@ def test_each_rank_decodes_exactly_its_query_heads_of_the_full_pool(tp):
                                                  torch.tensor(lens), D**-0.5, backend="torch"))
         return outs
 
-    full = serve(_pool(full_cfg, KV), list(range(KV)), list(range(QH)))
-    q_per_rank = QH // tp
+    full = [padded(out) for out in serve(_pool(full_cfg, kv), list(range(kv)), list(range(group * kv)))]
+    q_per_rank = group * slots // tp
     for rank in range(tp):
-        heads = kv_heads_of_rank(KV, tp, rank)
+        heads = kv_heads_of_rank(slots, tp, rank)
         q_heads = list(range(rank * q_per_rank, (rank + 1) * q_per_rank))
-        mine = serve(_pool(full_cfg.for_rank(tp, rank), len(heads)), heads, q_heads)
+        mine_cfg = full_cfg.for_rank(tp, rank)
+        assert list(range(kv) if mine_cfg.kv_heads is None else mine_cfg.kv_heads) == [h for h in heads if h < kv]
+        mine = serve(_pool(mine_cfg, len(heads)), heads, q_heads)
         for layer in range(2):  # the same up to bf16 rounding: the rank's query rotation is a matmul of
             # another shape (its KV heads, not all of them), whose sums may round differently (a wrong head: O(1))
             torch.testing.assert_close(mine[layer], full[layer][:, q_heads], rtol=2**-7, atol=2**-10,
-                                       msg=lambda m: f"tp {tp} rank {rank} layer {layer}: {m}")
+                                       msg=lambda m: f"kv {kv} tp {tp} rank {rank} layer {layer}: {m}")

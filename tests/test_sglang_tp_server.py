@@ -1,26 +1,33 @@
-"""Tensor parallelism in the real SGLang server: ``--tp-size 2`` with the INT2 cache, a trained model, on CPU.
+"""Tensor parallelism in the real SGLang server: ``--tp-size 2`` with the INT2 cache, trained models, on CPU.
 
-The second development model, Qwen2.5-Coder-0.5B (2 KV heads, so one per rank; keys with a large per-head mean,
-docs/MODELS.md), calibrated by ``oscar-calibrate`` (oscar-center, INT2 rows everywhere, sink 4 / recent 16),
-served with those rotations by one rank and by two, and by one rank with the artifact's two heads swapped, which
-is what each rank of a two-rank server would serve if it took the other rank's slice.  A ~400-token prompt of an
-evaluation play is prefilled in 64-token chunks (every chunk reads the earlier ones from the INT2 cache) and 16
-tokens decoded greedily.
+Two trained models, each calibrated by ``oscar-calibrate`` (oscar-center, INT2 rows everywhere, sink 4 / recent 16)
+and served with those rotations by one rank and by two:
 
-* Each rank says in its startup line which KV head it serves (SGLang's own rank prefix, ``TP0`` / ``TP1``) and
-  stores half the bytes per token.
+* the second development model, Qwen2.5-Coder-0.5B: 2 KV heads, one per rank (keys with a large per-head mean,
+  docs/MODELS.md);
+* the default model, SmolLM2-135M: 3 KV heads, which two ranks do not divide; SGLang's CPU engine then pads the
+  model to 4 KV heads (12 query heads) of zero weights, so the first rank serves heads 0-1 and the second head 2
+  and a padding head, whose rotations are neutral (``settings.served_fingerprint``, ``ServingConfig.for_rank``).
+
+What a rank serving the wrong rotations would give, to prove the comparison can see it: one rank with an artifact
+whose heads are what a wrong slice would hold (Qwen: the two heads swapped; SmolLM2: head 2 given the padding
+head's neutral rotation).  A ~400-token prompt of an evaluation play is prefilled in 64-token chunks (every chunk
+reads the earlier ones from the INT2 cache) and 16 tokens decoded greedily.
+
+* Each rank says in its startup line which KV heads it serves (SGLang's own rank prefix, ``TP0`` / ``TP1``) and
+  stores its share of the bytes per token.
 * Two ranks give one rank's prompt log-probabilities up to the noise of splitting the matmuls (measured
-  2026-12-07: 0.099 nats on average; the same bf16 model served BF16 by one rank and by two differs by 0.029, and
-  2-bit codes amplify such noise where a value sits on a code boundary); the swapped heads move them by 1.41,
-  so a rank taking the wrong slice could not pass.  Against the BF16 server, two ranks are as close as one
-  (0.483 vs 0.488 nats; swapped: 1.50).
+  2026-12-07, nats on average: Qwen 0.099, SmolLM2 0.066; the same bf16 model served BF16 by one rank and by two
+  differs by 0.029 and 0.043, and 2-bit codes amplify such noise where a value sits on a code boundary); the
+  wrong rotations move them by 1.41 (Qwen) and 0.61 (SmolLM2), so a rank taking the wrong slice could not pass.
+  Against the BF16 server, two ranks are as close as one (Qwen 0.483 vs 0.488; SmolLM2 0.147 vs 0.147).
 * Decode: the same first token, the same log-probabilities along the tokens both choose, and the first
   differing token only where one rank's choice nearly tied.
 
 SGLang 0.5.23's CPU engine cannot run two ranks as it ships (a NCCL communicator for the CPU device), so the
 two-rank servers start with ``tests/cpu_tp_site`` on ``PYTHONPATH`` (one default changed, its docstring says
-which) and one core bound to each rank.  Several minutes on two cores (calibration ~100 s, four servers ~40 s
-each, the two-rank one ~50-100 s); ``--slow`` adds the BF16 two-rank server (the noise floor).
+which) and one core bound to each rank.  About 3 + 2.5 minutes on two cores (per model: calibration, four
+servers of ~30 s, the two-rank one ~45-100 s); ``--slow`` adds the BF16 two-rank servers (the noise floor).
 """
 
 import os
@@ -40,8 +47,7 @@ SITE = Path(__file__).parent / "cpu_tp_site"
 SINK, RECENT, CHUNK, DECODE = 4, 16, 64, 16
 SERVER_FLAGS = ("--max-total-tokens", "2048", "--chunked-prefill-size", str(CHUNK))
 INT2_FLAGS = ("--kv-cache-dtype", "oscar-int2", "--oscar-sink", str(SINK), "--oscar-recent", str(RECENT))
-TP_MEAN = 0.25      # nats: two ranks against one, INT2 (measured 0.099)
-SENSITIVITY = 3.0   # the swapped heads must move the prompt by this many TP_MEANs at least (measured 1.41 nats)
+SENSITIVITY = 3.0   # the wrong rotations must move the prompt by this many TP_MEANs at least
 CLOSE = 1.1         # two ranks' error against BF16 within this factor of one rank's (measured 0.990)
 NEAR_TIE = 1.0      # nats: the top-2 margin where a differing greedy token is noise (as in test_architectures)
 
@@ -76,13 +82,29 @@ def _moved(a: dict, b: dict) -> float:
     return _prompt_moves(a, b)[0]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+# per model (its name for assets.named_model_dir): its KV heads, the head order of the artifact a wrong slice
+# would serve (None: a neutral rotation in the last head's place, as a padding head's), the mean change two
+# ranks may make to one's prompt (nats), and what each rank's startup line says of its heads
+MODELS = {
+    "qwen2.5-coder-0.5b": dict(kv_heads=2, wrong=[1, 0], tp_mean=0.25,   # measured 0.099 (the swapped heads 1.41)
+                               heads=["KV head 0 of 2 (this tensor-parallel rank's share)",
+                                      "KV head 1 of 2 (this tensor-parallel rank's share)"]),
+    "smollm2-135m": dict(kv_heads=3, wrong=None, tp_mean=0.15,           # measured 0.066 (head 2 neutral 0.61)
+                         heads=["KV heads 0-1 of 3 (this tensor-parallel rank's share; SGLang's CPU engine pads "
+                                "the 3 KV heads to 4)",
+                                "KV head 2 of 3 and 1 padding head (this tensor-parallel rank's share; SGLang's "
+                                "CPU engine pads the 3 KV heads to 4)"]),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def served(request, tmp_path_factory):
     from oscar_sglang import assets
 
     _two_cores()
+    name, spec = request.param, MODELS[request.param]
     root = tmp_path_factory.mktemp("tp")
-    model = assets.named_model_dir("qwen2.5-coder-0.5b")
+    model = assets.named_model_dir(name)
     rot = root / "rotations"
     cmd = [sys.executable, "-m", "oscar_sglang.calibration", "--model", str(model), "--out", str(rot),
            "--method", "oscar-center", "--bits", "int2", "--tokens", "2048", "--seq-len", "512",
@@ -90,15 +112,18 @@ def served(tmp_path_factory):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     calibrated = artifacts.load(rot)
-    assert calibrated.model.num_kv_heads == 2
-    swapped = artifacts.save(calibrated.for_kv_heads([1, 0]), root / "rotations-swapped")
+    kv = calibrated.model.num_kv_heads
+    assert kv == spec["kv_heads"]
+    wrong = (calibrated.for_kv_heads(spec["wrong"]) if spec["wrong"] else
+             calibrated.for_kv_heads(list(range(kv - 1)), padding=1))
+    wrong_dir = artifacts.save(wrong, root / "rotations-wrong")
     ids = _prompt_ids(model)
-    return {"ids": ids, "artifact": calibrated,
+    return {"ids": ids, "artifact": calibrated, "spec": spec, "name": name,
             "bf16": _serve(model, root / "bf16.log", ids),
             "int2": _serve(model, root / "int2.log", ids, *INT2_FLAGS, "--oscar-rotations", str(rot)),
             "int2_tp2": _serve(model, root / "int2-tp2.log", ids, *INT2_FLAGS, "--oscar-rotations", str(rot),
                                ranks=2),
-            "swapped": _serve(model, root / "swapped.log", ids, *INT2_FLAGS, "--oscar-rotations", str(swapped)),
+            "wrong": _serve(model, root / "wrong.log", ids, *INT2_FLAGS, "--oscar-rotations", str(wrong_dir)),
             "model": model, "root": root}
 
 
@@ -116,25 +141,28 @@ def _bytes_per_token(line: str) -> int:
     return int(line.split(" B/token", 1)[0].rsplit(" ", 1)[1])
 
 
-def test_each_rank_serves_its_own_kv_head(served):
+def test_each_rank_serves_its_own_kv_heads(served):
     one, two = _startup_lines(served["int2"]["log"]), _startup_lines(served["int2_tp2"]["log"])
     assert list(one) == ["TP0"] and "tensor-parallel" not in one["TP0"], one
     assert sorted(two) == ["TP0", "TP1"], served["int2_tp2"]["log"][-3000:]
+    kv = served["artifact"].model.num_kv_heads
+    slots = -(-kv // 2)   # KV heads a rank holds, padding included
     for rank in (0, 1):
         line = two[f"TP{rank}"]
-        assert f"KV head {rank} of 2 (this tensor-parallel rank's share)" in line, line
+        assert f", {served['spec']['heads'][rank]}, " in line, line
         assert f"layers per format: {served['artifact'].policy_summary()}" in line, line
-        assert 2 * _bytes_per_token(line) == _bytes_per_token(one["TP0"]), (line, one["TP0"])
+        assert kv * _bytes_per_token(line) == slots * _bytes_per_token(one["TP0"]), (line, one["TP0"])
 
 
 def test_two_ranks_answer_like_one(served):
-    tp, swapped = _moved(served["int2"], served["int2_tp2"]), _moved(served["int2"], served["swapped"])
+    bound = served["spec"]["tp_mean"]
+    tp, wrong = _moved(served["int2"], served["int2_tp2"]), _moved(served["int2"], served["wrong"])
     one_err, two_err = _moved(served["bf16"], served["int2"]), _moved(served["bf16"], served["int2_tp2"])
-    print(f"\nprompt log-probabilities, mean change: two ranks vs one {tp:.4f}; swapped heads vs right ones "
-          f"{swapped:.4f}; against BF16: one rank {one_err:.4f}, two {two_err:.4f}, swapped "
-          f"{_moved(served['bf16'], served['swapped']):.4f}")
-    assert swapped >= SENSITIVITY * TP_MEAN, "the swapped heads must be visible for this test to mean anything"
-    assert tp < TP_MEAN, tp
+    print(f"\n{served['name']}: prompt log-probabilities, mean change: two ranks vs one {tp:.4f}; a wrong slice's "
+          f"rotations vs the right ones {wrong:.4f}; against BF16: one rank {one_err:.4f}, two {two_err:.4f}, the "
+          f"wrong rotations {_moved(served['bf16'], served['wrong']):.4f}")
+    assert wrong >= SENSITIVITY * bound, "the wrong rotations must be visible for this test to mean anything"
+    assert tp < bound, tp
     assert two_err < CLOSE * one_err, (two_err, one_err)
 
 
@@ -143,7 +171,8 @@ def test_two_ranks_decode_like_one(served):
     assert len(got["ids"]) == DECODE and ref["ids"][0] == got["ids"][0], (ref["ids"], got["ids"])
     n = 0
     while n < DECODE and ref["ids"][n] == got["ids"][n]:
-        assert abs(ref["decode"][n] - got["decode"][n]) < 4 * TP_MEAN, (n, ref["decode"], got["decode"])
+        assert abs(ref["decode"][n] - got["decode"][n]) < 4 * served["spec"]["tp_mean"], (n, ref["decode"],
+                                                                                         got["decode"])
         n += 1
     if n < DECODE:   # where the two first choose differently, one of them nearly tied
         assert min(ref["margins"][n], got["margins"][n]) < NEAR_TIE, (n, ref["margins"], got["margins"])
@@ -154,5 +183,5 @@ def test_bf16_two_ranks_are_the_noise_floor(served):
     """The same model served BF16 by two ranks against one: what splitting the matmuls alone moves."""
     bf16_tp2 = _serve(served["model"], served["root"] / "bf16-tp2.log", served["ids"], ranks=2)
     floor, int2 = _moved(served["bf16"], bf16_tp2), _moved(served["int2"], served["int2_tp2"])
-    print(f"\nBF16 two ranks vs one: {floor:.4f} nats on average (INT2: {int2:.4f})")
-    assert floor < TP_MEAN, (floor, int2)
+    print(f"\n{served['name']}: BF16 two ranks vs one: {floor:.4f} nats on average (INT2: {int2:.4f})")
+    assert floor < served["spec"]["tp_mean"], (floor, int2)

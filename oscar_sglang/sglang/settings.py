@@ -137,6 +137,10 @@ class ServingConfig:
     recent: int
     hot_requests: int = DEFAULT_HOT_REQUESTS
     kv_heads: tuple[int, ...] | None = None   # the model's KV heads these artifacts hold; None: all of them
+    # SGLang's CPU engine pads a model's heads to a multiple of --tp-size (zero weights): the padded KV head
+    # count (None: not padded), and how many padding heads follow ``kv_heads`` in this rank's share
+    padded_kv_heads: int | None = None
+    padding_heads: int = 0
 
     @property
     def layer_formats(self) -> list:
@@ -149,19 +153,33 @@ class ServingConfig:
         return self.artifacts.bits_per_element
 
     def for_rank(self, tp_size: int, tp_rank: int) -> "ServingConfig":
-        """This config with the rotations of the KV heads a tensor-parallel rank serves."""
-        heads = kv_heads_of_rank(self.artifacts.model.num_kv_heads, tp_size, tp_rank)
-        if heads == list(range(self.artifacts.model.num_kv_heads)):
+        """This config with the rotations of the KV heads a tensor-parallel rank serves (on SGLang's CPU engine
+        with padded heads, its share of the padded heads: the model's first, neutral rotations for the rest)."""
+        total = self.artifacts.model.num_kv_heads
+        heads = kv_heads_of_rank(self.padded_kv_heads or total, tp_size, tp_rank)
+        if heads == list(range(total)):
             return self
-        return replace(self, artifacts=self.artifacts.for_kv_heads(heads), kv_heads=tuple(heads))
+        real = [h for h in heads if h < total]
+        padding = len(heads) - len(real)
+        return replace(self, artifacts=self.artifacts.for_kv_heads(real, padding), kv_heads=tuple(real),
+                       padding_heads=padding)
 
     def heads_note(self) -> str:
         """Which of the model's KV heads this config serves, for the startup line ("" for all of them)."""
         if self.kv_heads is None:
             return ""
         total, heads = self.artifacts.model.num_kv_heads, self.kv_heads
-        span = f"head {heads[0]}" if len(heads) == 1 else f"heads {heads[0]}-{heads[-1]}"
-        return f", KV {span} of {total} (this tensor-parallel rank's share)"
+        if heads:
+            span = f"head {heads[0]}" if len(heads) == 1 else f"heads {heads[0]}-{heads[-1]}"
+            share = f"KV {span} of {total}"
+        else:
+            share = f"none of the {total} KV heads"
+        if self.padding_heads:
+            share += f" and {self.padding_heads} padding head{'s' if self.padding_heads > 1 else ''}"
+        note = "this tensor-parallel rank's share"
+        if self.padded_kv_heads:
+            note += f"; SGLang's CPU engine pads the {total} KV heads to {self.padded_kv_heads}"
+        return f", {share} ({note})"
 
 
 def kv_heads_of_rank(total_kv_heads: int, tp_size: int, tp_rank: int) -> list[int]:
@@ -194,12 +212,30 @@ def serving_config(hf_config, environ=os.environ) -> ServingConfig:
     :class:`OscarConfigError` when no rotations were given.
     """
     settings = LaunchSettings.from_env(environ)
-    fp = artifacts.ModelFingerprint.from_config(hf_config)
+    fp, padded = served_fingerprint(hf_config)
     art = _load_cached(str(settings.rotations.resolve()), fp)
     sink = art.sink if settings.sink is None else settings.sink
     recent = art.recent if settings.recent is None else settings.recent
     hot = DEFAULT_HOT_REQUESTS if settings.hot_requests is None else settings.hot_requests
-    return ServingConfig(art, sink, recent, hot)
+    return ServingConfig(art, sink, recent, hot, padded_kv_heads=padded)
+
+
+def served_fingerprint(hf_config) -> tuple[artifacts.ModelFingerprint, int | None]:
+    """The served model's fingerprint as it was calibrated, and the KV head count SGLang padded it to (None if
+    it did not).
+
+    SGLang's CPU engine serves ``--tp-size N`` with head counts that N does not divide by padding the heads with
+    zero weights up to a multiple of N (``configs/update_config.adjust_config_with_unaligned_cpu_tp``): the
+    config then says the padded counts and keeps the model's own in ``original_num_attention_heads`` and
+    ``original_total_num_kv_heads``.
+    """
+    text = getattr(hf_config, "text_config", None) or hf_config
+    fp = artifacts.ModelFingerprint.from_config(hf_config)
+    q, kv = getattr(text, "original_num_attention_heads", None), getattr(text, "original_total_num_kv_heads", None)
+    if q is None or kv is None or (int(q), int(kv)) == (fp.num_attention_heads, fp.num_kv_heads):
+        return fp, None
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // int(q)
+    return replace(fp, num_attention_heads=int(q), num_kv_heads=int(kv), head_dim=int(head_dim)), fp.num_kv_heads
 
 
 def graph_hot_update(environ=os.environ) -> str:
