@@ -111,7 +111,7 @@ def test_padded_rank_shares_hold_the_model_heads_then_neutral_ones():
                                    "SGLang's CPU engine pads the 3 KV heads to 4)")
     only = ServingConfig(a, 2, 4, padded_kv_heads=4).for_rank(4, 3)
     assert (only.kv_heads, only.padding_heads, only.artifacts.layers[0].k_rotation.shape) == ((), 1, (1, D, D))
-    assert only.heads_note().startswith(", none of the 3 KV heads and 1 padding head (")
+    assert only.heads_note().startswith(", 1 padding head only (this tensor-parallel rank's share; ")
 
 
 def _pool(cfg, heads):

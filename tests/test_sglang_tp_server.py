@@ -1,33 +1,37 @@
-"""Tensor parallelism in the real SGLang server: ``--tp-size 2`` with the INT2 cache, trained models, on CPU.
+"""Tensor parallelism in the real SGLang server: ``--tp-size 2`` and ``4`` with the INT2 cache, on CPU.
 
-Two trained models, each calibrated by ``oscar-calibrate`` (oscar-center, INT2 rows everywhere, sink 4 / recent 16)
-and served with those rotations by one rank and by two:
+Three models, each calibrated by ``oscar-calibrate`` (oscar-center, INT2 rows everywhere, sink 4 / recent 16) and
+served with those rotations by one rank and by several:
 
-* the second development model, Qwen2.5-Coder-0.5B: 2 KV heads, one per rank (keys with a large per-head mean,
-  docs/MODELS.md);
-* the default model, SmolLM2-135M: 3 KV heads, which two ranks do not divide; SGLang's CPU engine then pads the
-  model to 4 KV heads (12 query heads) of zero weights, so the first rank serves heads 0-1 and the second head 2
-  and a padding head, whose rotations are neutral (``settings.served_fingerprint``, ``ServingConfig.for_rank``).
+* the second development model, Qwen2.5-Coder-0.5B (trained): 2 KV heads over two ranks, one each (keys with a
+  large per-head mean, docs/MODELS.md);
+* the default model, SmolLM2-135M (trained): 3 KV heads, which two ranks do not divide; SGLang's CPU engine then
+  pads the model to 4 KV heads (12 query heads) of zero weights, so the first rank serves heads 0-1 and the second
+  head 2 and a padding head, whose rotations are neutral (``settings.served_fingerprint``,
+  ``ServingConfig.for_rank``);
+* a random Qwen3 model (test_architectures': 2 layers, 4 query / 2 KV heads, head_dim 128) over four ranks: the
+  engine pads it to 4 KV heads, so ranks 0 and 1 serve one head each and ranks 2 and 3 padding only.
 
 What a rank serving the wrong rotations would give, to prove the comparison can see it: one rank with an artifact
-whose heads are what a wrong slice would hold (Qwen: the two heads swapped; SmolLM2: head 2 given the padding
-head's neutral rotation).  A ~400-token prompt of an evaluation play is prefilled in 64-token chunks (every chunk
-reads the earlier ones from the INT2 cache) and 16 tokens decoded greedily.
+whose heads are what a wrong slice would hold (the two heads swapped; SmolLM2: head 2 given the padding head's
+neutral rotation).  A ~400-token prompt of an evaluation play is prefilled in 64-token chunks (every chunk reads
+the earlier ones from the INT2 cache) and 16 tokens decoded greedily.
 
-* Each rank says in its startup line which KV heads it serves (SGLang's own rank prefix, ``TP0`` / ``TP1``) and
-  stores its share of the bytes per token.
-* Two ranks give one rank's prompt log-probabilities up to the noise of splitting the matmuls (measured
-  2026-12-07, nats on average: Qwen 0.099, SmolLM2 0.066; the same bf16 model served BF16 by one rank and by two
-  differs by 0.029 and 0.043, and 2-bit codes amplify such noise where a value sits on a code boundary); the
-  wrong rotations move them by 1.41 (Qwen) and 0.61 (SmolLM2), so a rank taking the wrong slice could not pass.
-  Against the BF16 server, two ranks are as close as one (Qwen 0.483 vs 0.488; SmolLM2 0.147 vs 0.147).
+* Each rank says in its startup line which KV heads it serves (SGLang's own rank prefix, ``TP0`` ...) and stores
+  its share of the bytes per token.
+* The ranks give one rank's prompt log-probabilities up to the noise of splitting the matmuls (measured
+  2026-12-07, nats on average: Qwen 0.099, SmolLM2 0.066, random Qwen3 on four ranks 0.017; the same bf16
+  model served BF16 by one rank and by two differs by 0.029, 0.043 and 0.012, and 2-bit codes amplify such noise where a
+  value sits on a code boundary); the wrong rotations move them by 1.41, 0.61 and 0.50, so a rank taking
+  the wrong slice could not pass.  Against the BF16 server, the ranks are as close as one.
 * Decode: the same first token, the same log-probabilities along the tokens both choose, and the first
   differing token only where one rank's choice nearly tied.
 
-SGLang 0.5.23's CPU engine cannot run two ranks as it ships (a NCCL communicator for the CPU device), so the
-two-rank servers start with ``tests/cpu_tp_site`` on ``PYTHONPATH`` (one default changed, its docstring says
-which) and one core bound to each rank.  About 3 + 2.5 minutes on two cores (per model: calibration, four
-servers of ~30 s, the two-rank one ~45-100 s); ``--slow`` adds the BF16 two-rank servers (the noise floor).
+SGLang 0.5.23's CPU engine cannot run several ranks as it ships (a NCCL communicator for the CPU device), so the
+tensor-parallel servers start with ``tests/cpu_tp_site`` on ``PYTHONPATH`` (one default changed, its docstring
+says which) and the two cores bound to the ranks in turn.  About 3 + 2.5 + 2 minutes on two cores (per model:
+calibration, three one-rank servers of ~25-30 s, the tensor-parallel one ~45-100 s); ``--slow`` adds the BF16
+tensor-parallel servers (the noise floor).
 """
 
 import os
@@ -39,7 +43,7 @@ import pytest
 
 from oscar_sglang import artifacts
 from oscar_sglang.sglang.launcher import local_server, post, server_env
-from test_architectures import _prompt_ids, _prompt_moves   # the same prompt, and its comparison
+from test_architectures import _build, _prompt_ids, _prompt_moves   # the same prompt, its comparison
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 
@@ -48,15 +52,16 @@ SINK, RECENT, CHUNK, DECODE = 4, 16, 64, 16
 SERVER_FLAGS = ("--max-total-tokens", "2048", "--chunked-prefill-size", str(CHUNK))
 INT2_FLAGS = ("--kv-cache-dtype", "oscar-int2", "--oscar-sink", str(SINK), "--oscar-recent", str(RECENT))
 SENSITIVITY = 3.0   # the wrong rotations must move the prompt by this many TP_MEANs at least
-CLOSE = 1.1         # two ranks' error against BF16 within this factor of one rank's (measured 0.990)
+CLOSE = 1.1         # the ranks' error against BF16 within this factor of one rank's (measured 0.99-1.01)
 NEAR_TIE = 1.0      # nats: the top-2 margin where a differing greedy token is noise (as in test_architectures)
 
 
-def _two_cores() -> str:
+def _cores(ranks: int = 2) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks on this machine's first two cores, taken in turn."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("two ranks need two cores")
-    return f"{cores[0]}|{cores[1]}"
+    return "|".join(str(cores[rank % 2]) for rank in range(ranks))
 
 
 def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1) -> dict:
@@ -65,7 +70,7 @@ def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1) 
     env = server_env(cpu=True)
     if ranks > 1:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH")) if p)
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = _two_cores()
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = _cores(ranks)
         extra = (*extra, "--tp-size", str(ranks))
     body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
             "sampling_params": {"temperature": 0, "max_new_tokens": DECODE, "ignore_eos": True}}
@@ -82,18 +87,21 @@ def _moved(a: dict, b: dict) -> float:
     return _prompt_moves(a, b)[0]
 
 
-# per model (its name for assets.named_model_dir): its KV heads, the head order of the artifact a wrong slice
-# would serve (None: a neutral rotation in the last head's place, as a padding head's), the mean change two
-# ranks may make to one's prompt (nats), and what each rank's startup line says of its heads
+PADDED = "this tensor-parallel rank's share; SGLang's CPU engine pads the {} KV heads to 4"
+# per model (its name for assets.named_model_dir, or a random model of test_architectures' family): its KV heads,
+# the tensor-parallel ranks, the head order of the artifact a wrong slice would serve (None: a neutral rotation in
+# the last head's place, as a padding head's), the mean change the ranks may make to one rank's prompt (nats), and
+# what each rank's startup line says of its heads
 MODELS = {
-    "qwen2.5-coder-0.5b": dict(kv_heads=2, wrong=[1, 0], tp_mean=0.25,   # measured 0.099 (the swapped heads 1.41)
+    "qwen2.5-coder-0.5b": dict(kv_heads=2, ranks=2, wrong=[1, 0], tp_mean=0.25,   # measured 0.099 (wrong: 1.41)
                                heads=["KV head 0 of 2 (this tensor-parallel rank's share)",
                                       "KV head 1 of 2 (this tensor-parallel rank's share)"]),
-    "smollm2-135m": dict(kv_heads=3, wrong=None, tp_mean=0.15,           # measured 0.066 (head 2 neutral 0.61)
-                         heads=["KV heads 0-1 of 3 (this tensor-parallel rank's share; SGLang's CPU engine pads "
-                                "the 3 KV heads to 4)",
-                                "KV head 2 of 3 and 1 padding head (this tensor-parallel rank's share; SGLang's "
-                                "CPU engine pads the 3 KV heads to 4)"]),
+    "smollm2-135m": dict(kv_heads=3, ranks=2, wrong=None, tp_mean=0.15,           # measured 0.066 (wrong: 0.61)
+                         heads=[f"KV heads 0-1 of 3 ({PADDED.format(3)})",
+                                f"KV head 2 of 3 and 1 padding head ({PADDED.format(3)})"]),
+    "random qwen3": dict(kv_heads=2, ranks=4, wrong=[1, 0], tp_mean=0.06,         # measured 0.017 (wrong: 0.50)
+                         heads=[f"KV head 0 of 2 ({PADDED.format(2)})", f"KV head 1 of 2 ({PADDED.format(2)})",
+                                *[f"1 padding head only ({PADDED.format(2)})"] * 2]),
 }
 
 
@@ -101,10 +109,13 @@ MODELS = {
 def served(request, tmp_path_factory):
     from oscar_sglang import assets
 
-    _two_cores()
+    _cores()
     name, spec = request.param, MODELS[request.param]
     root = tmp_path_factory.mktemp("tp")
-    model = assets.named_model_dir(name)
+    if name.startswith("random "):   # 2 layers, 4 query / 2 KV heads: four ranks of one query head each
+        model = _build(name.split()[1], root / "model")
+    else:
+        model = assets.named_model_dir(name)
     rot = root / "rotations"
     cmd = [sys.executable, "-m", "oscar_sglang.calibration", "--model", str(model), "--out", str(rot),
            "--method", "oscar-center", "--bits", "int2", "--tokens", "2048", "--seq-len", "512",
@@ -121,8 +132,8 @@ def served(request, tmp_path_factory):
     return {"ids": ids, "artifact": calibrated, "spec": spec, "name": name,
             "bf16": _serve(model, root / "bf16.log", ids),
             "int2": _serve(model, root / "int2.log", ids, *INT2_FLAGS, "--oscar-rotations", str(rot)),
-            "int2_tp2": _serve(model, root / "int2-tp2.log", ids, *INT2_FLAGS, "--oscar-rotations", str(rot),
-                               ranks=2),
+            "int2_tp": _serve(model, root / "int2-tp.log", ids, *INT2_FLAGS, "--oscar-rotations", str(rot),
+                              ranks=spec["ranks"]),
             "wrong": _serve(model, root / "wrong.log", ids, *INT2_FLAGS, "--oscar-rotations", str(wrong_dir)),
             "model": model, "root": root}
 
@@ -142,32 +153,34 @@ def _bytes_per_token(line: str) -> int:
 
 
 def test_each_rank_serves_its_own_kv_heads(served):
-    one, two = _startup_lines(served["int2"]["log"]), _startup_lines(served["int2_tp2"]["log"])
+    ranks = served["spec"]["ranks"]
+    one, many = _startup_lines(served["int2"]["log"]), _startup_lines(served["int2_tp"]["log"])
     assert list(one) == ["TP0"] and "tensor-parallel" not in one["TP0"], one
-    assert sorted(two) == ["TP0", "TP1"], served["int2_tp2"]["log"][-3000:]
+    assert sorted(many) == [f"TP{rank}" for rank in range(ranks)], served["int2_tp"]["log"][-3000:]
     kv = served["artifact"].model.num_kv_heads
-    slots = -(-kv // 2)   # KV heads a rank holds, padding included
-    for rank in (0, 1):
-        line = two[f"TP{rank}"]
+    slots = -(-kv // ranks)   # KV heads a rank holds, padding included
+    for rank in range(ranks):
+        line = many[f"TP{rank}"]
         assert f", {served['spec']['heads'][rank]}, " in line, line
         assert f"layers per format: {served['artifact'].policy_summary()}" in line, line
         assert kv * _bytes_per_token(line) == slots * _bytes_per_token(one["TP0"]), (line, one["TP0"])
 
 
-def test_two_ranks_answer_like_one(served):
+def test_ranks_answer_like_one(served):
     bound = served["spec"]["tp_mean"]
-    tp, wrong = _moved(served["int2"], served["int2_tp2"]), _moved(served["int2"], served["wrong"])
-    one_err, two_err = _moved(served["bf16"], served["int2"]), _moved(served["bf16"], served["int2_tp2"])
-    print(f"\n{served['name']}: prompt log-probabilities, mean change: two ranks vs one {tp:.4f}; a wrong slice's "
-          f"rotations vs the right ones {wrong:.4f}; against BF16: one rank {one_err:.4f}, two {two_err:.4f}, the "
-          f"wrong rotations {_moved(served['bf16'], served['wrong']):.4f}")
+    tp, wrong = _moved(served["int2"], served["int2_tp"]), _moved(served["int2"], served["wrong"])
+    one_err, many_err = _moved(served["bf16"], served["int2"]), _moved(served["bf16"], served["int2_tp"])
+    print(f"\n{served['name']}: prompt log-probabilities, mean change: {served['spec']['ranks']} ranks vs one "
+          f"{tp:.4f}; a wrong slice's rotations vs the right ones {wrong:.4f}; against BF16: one rank {one_err:.4f}, "
+          f"{served['spec']['ranks']} {many_err:.4f}, the wrong rotations "
+          f"{_moved(served['bf16'], served['wrong']):.4f}")
     assert wrong >= SENSITIVITY * bound, "the wrong rotations must be visible for this test to mean anything"
     assert tp < bound, tp
-    assert two_err < CLOSE * one_err, (two_err, one_err)
+    assert many_err < CLOSE * one_err, (many_err, one_err)
 
 
-def test_two_ranks_decode_like_one(served):
-    ref, got = served["int2"], served["int2_tp2"]
+def test_ranks_decode_like_one(served):
+    ref, got = served["int2"], served["int2_tp"]
     assert len(got["ids"]) == DECODE and ref["ids"][0] == got["ids"][0], (ref["ids"], got["ids"])
     n = 0
     while n < DECODE and ref["ids"][n] == got["ids"][n]:
@@ -179,9 +192,10 @@ def test_two_ranks_decode_like_one(served):
 
 
 @pytest.mark.slow
-def test_bf16_two_ranks_are_the_noise_floor(served):
-    """The same model served BF16 by two ranks against one: what splitting the matmuls alone moves."""
-    bf16_tp2 = _serve(served["model"], served["root"] / "bf16-tp2.log", served["ids"], ranks=2)
-    floor, int2 = _moved(served["bf16"], bf16_tp2), _moved(served["int2"], served["int2_tp2"])
-    print(f"\n{served['name']}: BF16 two ranks vs one: {floor:.4f} nats on average (INT2: {int2:.4f})")
+def test_bf16_ranks_are_the_noise_floor(served):
+    """The same model served BF16 by the same ranks against one: what splitting the matmuls alone moves."""
+    bf16_tp = _serve(served["model"], served["root"] / "bf16-tp.log", served["ids"], ranks=served["spec"]["ranks"])
+    floor, int2 = _moved(served["bf16"], bf16_tp), _moved(served["int2"], served["int2_tp"])
+    print(f"\n{served['name']}: BF16 {served['spec']['ranks']} ranks vs one: {floor:.4f} nats on average "
+          f"(INT2: {int2:.4f})")
     assert floor < served["spec"]["tp_mean"], (floor, int2)

@@ -169,13 +169,12 @@ class ServingConfig:
         if self.kv_heads is None:
             return ""
         total, heads = self.artifacts.model.num_kv_heads, self.kv_heads
+        pads = f"{self.padding_heads} padding head{'s' if self.padding_heads > 1 else ''}"
         if heads:
             span = f"head {heads[0]}" if len(heads) == 1 else f"heads {heads[0]}-{heads[-1]}"
-            share = f"KV {span} of {total}"
+            share = f"KV {span} of {total}" + (f" and {pads}" if self.padding_heads else "")
         else:
-            share = f"none of the {total} KV heads"
-        if self.padding_heads:
-            share += f" and {self.padding_heads} padding head{'s' if self.padding_heads > 1 else ''}"
+            share = f"{pads} only"
         note = "this tensor-parallel rank's share"
         if self.padded_kv_heads:
             note += f"; SGLang's CPU engine pads the {total} KV heads to {self.padded_kv_heads}"
