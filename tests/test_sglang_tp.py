@@ -31,6 +31,7 @@ def _artifacts(kv: int = KV):
                             for _ in range(kv)]).float()
 
     fp = replace(FP, num_kv_heads=kv, num_attention_heads=2 * kv, hidden_size=2 * kv * D)
+
     def clip():
         return torch.rand(kv, generator=g) * 0.2 + 0.8
 
@@ -93,8 +94,7 @@ def _padded_config(total_q: int, total_kv: int, tp: int, head_dim: bool = True):
 def test_fingerprint_of_a_model_sglangs_cpu_engine_padded(head_dim):
     fp, padded = served_fingerprint(_padded_config(6, 3, 2, head_dim))
     assert (fp.num_attention_heads, fp.num_kv_heads, fp.head_dim, fp.hidden_size, padded) == (6, 3, D, 6 * D, 4)
-    assert served_fingerprint(_padded_config(8, 4, 2))[1] is None   # 2 ranks divide 4 heads: nothing padded
-    assert served_fingerprint(_padded_config(8, 4, 2))[0] == _artifacts(4).model
+    assert served_fingerprint(_padded_config(8, 4, 2)) == (_artifacts(4).model, None)   # 2 ranks divide 4 heads
     assert not _artifacts(3).model.mismatches(fp)
 
 

@@ -138,9 +138,15 @@ class ServingConfig:
     hot_requests: int = DEFAULT_HOT_REQUESTS
     kv_heads: tuple[int, ...] | None = None   # the model's KV heads these artifacts hold; None: all of them
     # SGLang's CPU engine pads a model's heads to a multiple of --tp-size (zero weights): the padded KV head
-    # count (None: not padded), and how many padding heads follow ``kv_heads`` in this rank's share
+    # count (None: not padded)
     padded_kv_heads: int | None = None
-    padding_heads: int = 0
+
+    @property
+    def padding_heads(self) -> int:
+        """How many neutral padding heads follow ``kv_heads`` in this rank's share of the artifacts."""
+        if self.kv_heads is None:
+            return 0
+        return self.artifacts.layers[0].k_rotation.shape[0] - len(self.kv_heads)
 
     @property
     def layer_formats(self) -> list:
@@ -160,9 +166,8 @@ class ServingConfig:
         if heads == list(range(total)):
             return self
         real = [h for h in heads if h < total]
-        padding = len(heads) - len(real)
-        return replace(self, artifacts=self.artifacts.for_kv_heads(real, padding), kv_heads=tuple(real),
-                       padding_heads=padding)
+        return replace(self, artifacts=self.artifacts.for_kv_heads(real, len(heads) - len(real)),
+                       kv_heads=tuple(real))
 
     def heads_note(self) -> str:
         """Which of the model's KV heads this config serves, for the startup line ("" for all of them)."""
