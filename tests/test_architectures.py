@@ -73,15 +73,16 @@ SENSITIVITY = 2.0   # a 10 % attention-scale error must move the prompt by this 
 INT2_MEAN = 1.5     # nats: the calibrated INT2 rows of a random model against BF16 (measured <= 0.80)
 
 
-def _build(model_type: str, folder: Path) -> Path:
-    """A random model of ``model_type`` (seed 0) saved in bf16 with the default model's tokenizer files."""
+def _build(model_type: str, folder: Path, **overrides) -> Path:
+    """A random model of ``model_type`` (seed 0) saved in bf16 with the default model's tokenizer files;
+    ``overrides`` change ``COMMON`` (and a family's own settings; a family outside ``FAMILIES`` has none)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from oscar_sglang import assets
 
-    extra, _, _ = FAMILIES[model_type]
+    config = {**COMMON, **FAMILIES.get(model_type, ({},))[0], **overrides}
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON, **extra), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.bfloat16)
     model.save_pretrained(folder)
     for name in load_script("dummy_models.py").TOKENIZER_FILES:
         src = assets.default_model_dir() / name

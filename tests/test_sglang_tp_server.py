@@ -66,14 +66,15 @@ def _cores(ranks: int = 2) -> str:
     return "|".join(str(cores[rank % 2]) for rank in range(ranks))
 
 
-def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1) -> dict:
+def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1, split: str = "--tp-size") -> dict:
     """The prompt's log-probabilities, ``DECODE`` greedy tokens with their log-probabilities and top-2 margins,
-    and the log's text, from a CPU server with ``ranks`` tensor-parallel ranks."""
+    and the log's text, from a CPU server with ``ranks`` ranks (tensor-parallel; ``split="--pp-size"``: pipeline
+    stages)."""
     env = server_env(cpu=True)
     if ranks > 1:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH")) if p)
         env["SGLANG_CPU_OMP_THREADS_BIND"] = _cores(ranks)
-        extra = (*extra, "--tp-size", str(ranks))
+        extra = (*extra, split, str(ranks))
     body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
             "sampling_params": {"temperature": 0, "max_new_tokens": DECODE, "ignore_eos": True}}
     with local_server(model, log, *SERVER_FLAGS, *extra, cpu=True, env=env) as url:
@@ -141,12 +142,12 @@ def served(request, tmp_path_factory):
             "model": model, "root": root}
 
 
-def _startup_lines(log: str) -> dict[str, str]:
-    """Each rank's startup line, by SGLang's rank prefix (``TP0``, ...)."""
+def _startup_lines(log: str, prefix: str = "TP") -> dict[str, str]:
+    """Each rank's startup line, by SGLang's rank prefix (``TP0``, ...; ``prefix="PP"``: ``PP0``, ...)."""
     lines = {}
     for line in log.splitlines():
         if "oscar-int2 KV cache:" in line:
-            rank = next((w.rstrip("]") for w in line.split() if w.startswith("TP")), "TP0")
+            rank = next((w.rstrip("]") for w in line.split() if w.startswith(prefix)), f"{prefix}0")
             lines.setdefault(rank, line.split("oscar-int2 KV cache:", 1)[1])
     return lines
 

@@ -180,16 +180,26 @@ def flush_requests(result, req_to_token_pool, *args, **kwargs):
     return result
 
 
+def _stage_note(pool, cfg) -> str:
+    """Which of the model's layers this process serves, for the startup line ("" for all of them)."""
+    total, start = cfg.artifacts.model.num_layers, pool.start_layer
+    if start == 0 and pool.layer_num == total:
+        return ""
+    end = start + pool.layer_num - 1
+    span = f"layer {start}" if start == end else f"layers {start}-{end}"
+    return f", {span} of {total} (this pipeline stage's share)"
+
+
 def summary_line(pool, capacity_tokens: int) -> str:
-    """The startup line: method, bits per element and the layers per format, a tensor-parallel rank's KV heads,
-    windows, capacity, bytes per token and the hot pool."""
+    """The startup line: method, bits per element and the layers per format, a pipeline stage's layers, a
+    tensor-parallel rank's KV heads, windows, capacity, bytes per token and the hot pool."""
     cfg = pool.config
     layers, h, d = pool.layer_num, pool.head_num, pool.head_dim
     rows = pool.bytes_per_token
     bf16 = sizing.bf16_bytes_per_token(layers, h, d)
     hot_bytes = pool.hot.entries * sizing.hot_bytes_per_entry(layers, h, d)
     return (f"oscar-int2 KV cache: method={cfg.artifacts.method}, {cfg.bits_per_element:.4g} bits/element "
-            f"(layers per format: {cfg.artifacts.policy_summary()}){cfg.heads_note()}, "
+            f"(layers per format: {cfg.artifacts.policy_summary()}){_stage_note(pool, cfg)}{cfg.heads_note()}, "
             f"sink={cfg.sink}, recent={cfg.recent}, "
             f"KV capacity={capacity_tokens} tokens at {rows} B/token (BF16: {bf16} B/token, "
             f"{bf16 / rows:.2f}x), plus a BF16 hot pool of {pool.hot.entries} entries for "
