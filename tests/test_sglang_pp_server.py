@@ -1,27 +1,33 @@
 """Pipeline parallelism in the real SGLang server: ``--pp-size 2`` with the INT2 cache, on CPU.
 
-A random Llama (test_architectures' family settings: 4 query / 2 KV heads, head_dim 64; 4 layers, untied word
-embeddings) calibrated by ``oscar-calibrate`` (oscar-center with the precision policy, sink 4 / recent 16) and
-served with those rotations by one process and by two pipeline stages: the first holds layers 0-1 of the cache,
-the second layers 2-3, each in its own pool sized for its own layers (``memory._served_formats``) and reading
-its own layers' rotations (``OscarInt2Pool``: ``start_layer``).
+Two models, each calibrated by ``oscar-calibrate`` (oscar-center, INT2 rows, sink 4 / recent 16), then given INT4
+keys in layer 0 (so the stages' formats differ: a stage that took the wrong layers' formats stores other bytes),
+and served by one process and by two pipeline stages, each stage in its own pool of its own layers
+(``memory._served_formats``), reading its own layers' rotations (``OscarInt2Pool``: ``start_layer``):
+
+* the second development model, Qwen2.5-Coder-0.5B (trained; 24 layers, untied word embeddings): SGLang's even
+  split, layers 0-11 and 12-23;
+* a random Llama (test_architectures' family settings: 4 query / 2 KV heads, head_dim 64; 4 layers, untied word
+  embeddings), split unevenly by SGLang's ``SGLANG_PP_LAYER_PARTITION=1,3``: layer 0, then layers 1-3.
 
 What a stage serving the wrong layers' rotations would give, to prove the comparison can see it: one process with
-an artifact whose layers 2-3 hold layers 0-1's rotations (what the second stage would read if it ignored where
-its layers start).  The prompt and its comparison are test_sglang_tp_server's: a ~440-token prompt of an
-evaluation play prefilled in 64-token chunks, 16 tokens decoded greedily.
+an artifact whose second-stage layers hold the rotations of the layers counted from 0 (what the second stage would
+read if it ignored where its layers start).  The prompt and its comparison are test_sglang_tp_server's: a
+~440-token prompt of an evaluation play prefilled in 64-token chunks, 16 tokens decoded greedily.
 
 * Each stage says in its startup line which layers it serves (after SGLang's ``PP0`` / ``PP1`` prefix) and
   stores those layers' bytes per token, in their own formats.
-* The stages give one process's prompt log-probabilities up to the noise of running the model in two processes
-  (measured 2026-12-07, see ``PP_MEAN``); the wrong layers' rotations move them by far more.
+* The stages give one process's prompt log-probabilities (splitting by layers changes no arithmetic: measured
+  2026-12-08, 0.0000 nats on average and at most for both models, the same 16 tokens); the wrong layers'
+  rotations move them by far more.
 * Decode: as test_sglang_tp_server's.
 
-Models whose word embeddings are tied (the default model, Qwen2.5-Coder-0.5B) do not run with ``--pp-size 2`` on
-SGLang 0.5.23's CPU engine in BF16 either (``'PPMissingLayer' object has no attribute 'quant_method'``: the last
-stage's lm_head is the embedding, which only the first stage holds), so this test builds an untied one.  The
-stages start with ``tests/cpu_tp_site`` on ``PYTHONPATH``, as tensor-parallel ranks do.  About 2.5 minutes on
-two cores (calibration, three one-process servers of ~25 s, the two-stage one ~45 s).
+Models whose word embeddings are tied and whose SGLang model sets ``lm_head`` to the embedding on every stage
+(llama.py: the default model, SmolLM2-135M) do not run with ``--pp-size 2`` in SGLang 0.5.23, BF16 too
+(``'PPMissingLayer' object has no attribute 'quant_method'``), hence an untied Llama.  The stages start with
+``tests/cpu_tp_site`` on ``PYTHONPATH``, as tensor-parallel ranks do.  About 4 minutes on two cores (per model:
+calibration, three one-process servers of ~20-30 s, the two-stage one ~30-45 s; ``--slow`` adds the BF16
+two-stage servers, about 1 minute).
 """
 
 import subprocess
@@ -39,16 +45,34 @@ from test_sglang_tp_server import (DECODE, INT2_FLAGS, NEAR_TIE, RECENT, SENSITI
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 
-LAYERS, STAGES = 4, 2
-PP_MEAN = 0.02  # nats: the mean change two stages may make to one process's prompt (measured: see the docstring)
+STAGES = 2
+PP_MEAN = 0.02  # nats: the mean change two stages may make to one process's prompt (measured 0.0000)
 CLOSE = 1.1     # the stages' error against BF16 within this factor of one process's
+# per model: its layers and the stages' share of them (None: SGLang's even split; else SGLANG_PP_LAYER_PARTITION)
+MODELS = {
+    "qwen2.5-coder-0.5b": dict(layers=24, partition=None),
+    "random llama": dict(layers=4, partition=[1, 3]),
+}
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def _shares(spec: dict) -> list[range]:
+    n = spec["layers"]
+    sizes = spec["partition"] or [n // STAGES + (s >= STAGES - n % STAGES) for s in range(STAGES)]
+    starts = [sum(sizes[:s]) for s in range(STAGES)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def served(request, tmp_path_factory):
+    from oscar_sglang import assets
+
     _cores()
+    name, spec = request.param, MODELS[request.param]
     root = tmp_path_factory.mktemp("pp")
-    model = _build("llama", root / "model", num_hidden_layers=LAYERS, tie_word_embeddings=False)
+    if name.startswith("random "):
+        model = _build(name.split()[1], root / "model", num_hidden_layers=spec["layers"], tie_word_embeddings=False)
+    else:
+        model = assets.named_model_dir(name)
     rot = root / "rotations"
     cmd = [sys.executable, "-m", "oscar_sglang.calibration", "--model", str(model), "--out", str(rot),
            "--method", "oscar-center", "--bits", "int2", "--tokens", "2048", "--seq-len", "512",
@@ -56,50 +80,56 @@ def served(tmp_path_factory):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     calibrated = artifacts.load(rot)
-    assert calibrated.model.num_layers == LAYERS
-    half = LAYERS // STAGES
-    int4, int2 = RowFormat(4), RowFormat(2)
-    mixed = calibrated.with_formats([LayerFormat(int4, int4)] * half + [LayerFormat(int2, int2)] * (LAYERS - half))
+    assert calibrated.model.num_layers == spec["layers"]
+    int2 = RowFormat(2)
+    mixed = calibrated.with_formats([LayerFormat(RowFormat(4), int2)] + [LayerFormat(int2, int2)] * (spec["layers"] - 1))
     mixed_dir = artifacts.save(mixed, root / "rotations-mixed")
-    copies = [artifacts.LayerRotation(*(getattr(lr, n).clone() for n in lr.TENSOR_NAMES))
-              for lr in mixed.layers[:half] * STAGES]
-    wrong = replace(mixed, layers=copies)   # stage 2 reading stage 1's rotations
-    wrong_dir = artifacts.save(wrong, root / "rotations-wrong")
+    later = _shares(spec)[1]
+    def copy(i: int) -> artifacts.LayerRotation:
+        return artifacts.LayerRotation(*(getattr(mixed.layers[i], n).clone() for n in artifacts.LayerRotation.TENSOR_NAMES))
+
+    # the second stage reading the layers counted from 0
+    layers = list(mixed.layers[:later.start]) + [copy(i - later.start) for i in later]
+    wrong_dir = artifacts.save(replace(mixed, layers=layers), root / "rotations-wrong")
     ids = _prompt_ids(model)
     flags = (*INT2_FLAGS, "--oscar-rotations", str(mixed_dir))
-    return {"ids": ids, "artifact": artifacts.load(mixed_dir), "model": model, "root": root,
+    environ = {"SGLANG_PP_LAYER_PARTITION": ",".join(map(str, spec["partition"]))} if spec["partition"] else None
+    return {"ids": ids, "artifact": artifacts.load(mixed_dir), "model": model, "root": root, "name": name,
+            "spec": spec, "environ": environ,
             "bf16": _serve(model, root / "bf16.log", ids),
             "int2": _serve(model, root / "int2.log", ids, *flags),
-            "int2_pp": _serve(model, root / "int2-pp.log", ids, *flags, ranks=STAGES, split="--pp-size"),
+            "int2_pp": _serve(model, root / "int2-pp.log", ids, *flags, ranks=STAGES, split="--pp-size",
+                              environ=environ),
             "wrong": _serve(model, root / "wrong.log", ids, *INT2_FLAGS, "--oscar-rotations", str(wrong_dir))}
 
 
 def test_each_stage_serves_its_own_layers(served):
-    art = served["artifact"]
+    art, spec = served["artifact"], served["spec"]
     one = _startup_lines(served["int2"]["log"], "PP")
     many = _startup_lines(served["int2_pp"]["log"], "PP")
     assert list(one) == ["PP0"] and "pipeline stage" not in one["PP0"], one
     assert sorted(many) == [f"PP{s}" for s in range(STAGES)], served["int2_pp"]["log"][-3000:]
     assert _bytes_per_token(one["PP0"]) == art.bytes_per_token()
-    half = LAYERS // STAGES
-    formats = art.layer_formats
-    d, h = art.model.head_dim, art.model.num_kv_heads
-    for stage in range(STAGES):
-        line, first = many[f"PP{stage}"], stage * half
-        assert f", layers {first}-{first + half - 1} of {LAYERS} (this pipeline stage's share), " in line, line
+    formats, d, h = art.layer_formats, art.model.head_dim, art.model.num_kv_heads
+    stage_bytes = []
+    for stage, share in enumerate(_shares(spec)):
+        line = many[f"PP{stage}"]
+        span = f"layer {share[0]}" if len(share) == 1 else f"layers {share[0]}-{share[-1]}"
+        assert f", {span} of {spec['layers']} (this pipeline stage's share), " in line, line
         assert f"layers per format: {art.policy_summary()}" in line, line
-        own = sum(h * (f.k.bytes_per_row(d) + f.v.bytes_per_row(d)) for f in formats[first:first + half])
-        assert _bytes_per_token(line) == own, (stage, line, [f.to_json() for f in formats])
+        stage_bytes.append(sum(h * (formats[i].k.bytes_per_row(d) + formats[i].v.bytes_per_row(d)) for i in share))
+        assert _bytes_per_token(line) == stage_bytes[-1], (stage, line)
+    assert sum(stage_bytes) == art.bytes_per_token()
 
 
 def test_stages_answer_like_one(served):
     pp, wrong = _moved(served["int2"], served["int2_pp"]), _moved(served["int2"], served["wrong"])
     one_err, many_err = _moved(served["bf16"], served["int2"]), _moved(served["bf16"], served["int2_pp"])
-    print(f"\nprompt log-probabilities, mean change: {STAGES} stages vs one process {pp:.4f}; stage 2 reading stage "
-          f"1's rotations vs the right ones {wrong:.4f}; against BF16: one process {one_err:.4f}, {STAGES} stages "
-          f"{many_err:.4f}, the wrong rotations {_moved(served['bf16'], served['wrong']):.4f}; largest change, two "
-          f"stages vs one: {_prompt_moves(served['int2'], served['int2_pp'])[1]:.4f}, decoded tokens "
-          f"{'identical' if served['int2']['ids'] == served['int2_pp']['ids'] else 'differ'}")
+    print(f"\n{served['name']}: prompt log-probabilities, mean change: {STAGES} stages vs one process {pp:.4f} "
+          f"(largest {_prompt_moves(served['int2'], served['int2_pp'])[1]:.4f}; decoded tokens "
+          f"{'identical' if served['int2']['ids'] == served['int2_pp']['ids'] else 'differ'}); the second stage "
+          f"reading layers from 0 vs its own {wrong:.4f}; against BF16: one process {one_err:.4f}, {STAGES} stages "
+          f"{many_err:.4f}, the wrong rotations {_moved(served['bf16'], served['wrong']):.4f}")
     assert wrong >= SENSITIVITY * PP_MEAN, "the wrong rotations must be visible for this test to mean anything"
     assert pp < PP_MEAN, pp
     assert many_err < CLOSE * one_err, (many_err, one_err)
@@ -119,7 +149,8 @@ def test_stages_decode_like_one(served):
 @pytest.mark.slow
 def test_bf16_stages_are_the_noise_floor(served):
     """The same model served BF16 by two stages against one process: what splitting the model alone moves."""
-    bf16_pp = _serve(served["model"], served["root"] / "bf16-pp.log", served["ids"], ranks=STAGES, split="--pp-size")
+    bf16_pp = _serve(served["model"], served["root"] / "bf16-pp.log", served["ids"], ranks=STAGES, split="--pp-size",
+                     environ=served["environ"])
     floor, int2 = _moved(served["bf16"], bf16_pp), _moved(served["int2"], served["int2_pp"])
-    print(f"\nBF16 {STAGES} stages vs one process: {floor:.4f} nats on average (INT2: {int2:.4f})")
+    print(f"\n{served['name']}: BF16 {STAGES} stages vs one process: {floor:.4f} nats on average (INT2: {int2:.4f})")
     assert floor < PP_MEAN, (floor, int2)

@@ -66,11 +66,12 @@ def _cores(ranks: int = 2) -> str:
     return "|".join(str(cores[rank % 2]) for rank in range(ranks))
 
 
-def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1, split: str = "--tp-size") -> dict:
+def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1, split: str = "--tp-size",
+           environ: dict | None = None) -> dict:
     """The prompt's log-probabilities, ``DECODE`` greedy tokens with their log-probabilities and top-2 margins,
     and the log's text, from a CPU server with ``ranks`` ranks (tensor-parallel; ``split="--pp-size"``: pipeline
-    stages)."""
-    env = server_env(cpu=True)
+    stages) and ``environ`` added to its environment."""
+    env = {**server_env(cpu=True), **(environ or {})}
     if ranks > 1:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH")) if p)
         env["SGLANG_CPU_OMP_THREADS_BIND"] = _cores(ranks)
