@@ -21,15 +21,19 @@ read if it ignored where its layers start).  The prompt and its comparison are t
   2026-12-08, 0.0000 nats on average and at most for both models, the same 16 tokens); the wrong layers'
   rotations move them by far more.
 * Decode: as test_sglang_tp_server's.
+* Traffic: eight short prompts one at a time, then all at once (micro-batches in flight through SGLang's pipeline
+  loop): one at a time the stages answer one process's tokens; all at once they repeat their own sequential
+  answers up to the float noise of batching (test_sglang_server's rule).
 
 Models whose word embeddings are tied and whose SGLang model sets ``lm_head`` to the embedding on every stage
 (llama.py: the default model, SmolLM2-135M) do not run with ``--pp-size 2`` in SGLang 0.5.23, BF16 too
 (``'PPMissingLayer' object has no attribute 'quant_method'``), hence an untied Llama.  The stages start with
-``tests/cpu_tp_site`` on ``PYTHONPATH``, as tensor-parallel ranks do.  About 4 minutes on two cores (per model:
-calibration, three one-process servers of ~20-30 s, the two-stage one ~30-45 s; ``--slow`` adds the BF16
+``tests/cpu_tp_site`` on ``PYTHONPATH``, as tensor-parallel ranks do.  About 5 minutes on two cores (per model:
+calibration, three one-process servers of ~20-40 s, the two-stage one ~40-60 s; ``--slow`` adds the BF16
 two-stage servers, about 1 minute).
 """
 
+import concurrent.futures
 import subprocess
 import sys
 from dataclasses import replace
@@ -40,6 +44,8 @@ from oscar_sglang import artifacts
 from oscar_sglang.artifacts import LayerFormat
 from oscar_sglang.format import RowFormat
 from test_architectures import _build, _prompt_ids, _prompt_moves
+from oscar_sglang.sglang.launcher import flush_cache
+from test_sglang_server import CONCURRENT, _generate, _same_up_to_noise
 from test_sglang_tp_server import (DECODE, INT2_FLAGS, NEAR_TIE, RECENT, SENSITIVITY, SINK, _bytes_per_token,
                                    _cores, _moved, _serve, _startup_lines)
 
@@ -53,6 +59,21 @@ MODELS = {
     "qwen2.5-coder-0.5b": dict(layers=24, partition=None),
     "random llama": dict(layers=4, partition=[1, 3]),
 }
+
+TRAFFIC = CONCURRENT[:8]   # distinct first tokens: no request hits another's prefix
+
+
+def _traffic(url: str) -> dict:
+    """``TRAFFIC``'s greedy answers one at a time (each after a cache flush), then all at once (after a flush):
+    with two stages, several micro-batches in flight through SGLang's pipeline loop."""
+    sequential = []
+    for prompt in TRAFFIC:
+        flush_cache(url)
+        sequential.append(_generate(url, prompt))
+    flush_cache(url)
+    with concurrent.futures.ThreadPoolExecutor(len(TRAFFIC)) as pool:
+        together = list(pool.map(lambda p: _generate(url, p), TRAFFIC))
+    return {"sequential": sequential, "concurrent": together}
 
 
 def _shares(spec: dict) -> list[range]:
@@ -97,9 +118,9 @@ def served(request, tmp_path_factory):
     return {"ids": ids, "artifact": artifacts.load(mixed_dir), "model": model, "root": root, "name": name,
             "spec": spec, "environ": environ,
             "bf16": _serve(model, root / "bf16.log", ids),
-            "int2": _serve(model, root / "int2.log", ids, *flags),
+            "int2": _serve(model, root / "int2.log", ids, *flags, then=_traffic),
             "int2_pp": _serve(model, root / "int2-pp.log", ids, *flags, ranks=STAGES, split="--pp-size",
-                              environ=environ),
+                              environ=environ, then=_traffic),
             "wrong": _serve(model, root / "wrong.log", ids, *INT2_FLAGS, "--oscar-rotations", str(wrong_dir))}
 
 
@@ -144,6 +165,29 @@ def test_stages_decode_like_one(served):
         n += 1
     if n < DECODE:   # where the two first choose differently, one of them nearly tied
         assert min(ref["margins"][n], got["margins"][n]) < NEAR_TIE, (n, ref["margins"], got["margins"])
+
+
+def test_stages_answer_requests_one_at_a_time_like_one(served):
+    """``TRAFFIC`` one at a time: the two stages' answers are one process's (splitting by layers changes no
+    arithmetic)."""
+    ref, got = served["int2"]["then"]["sequential"], served["int2_pp"]["then"]["sequential"]
+    for prompt, one, two in zip(TRAFFIC, ref, got):
+        assert two["completion_tokens"] == len(two["ids"]) == len(one["ids"]) and two["cached"] == 0
+        assert two["ids"] == one["ids"], (prompt, one["text"], two["text"])
+        moved = max(abs(a - b) for a, b in zip(one["logprobs"], two["logprobs"]))
+        assert moved < PP_MEAN, (prompt, moved)
+
+
+def test_concurrent_requests_on_stages_equal_their_sequential_answers(served):
+    """``TRAFFIC`` all at once through the two stages (micro-batches in flight) repeats the stages' sequential
+    answers up to the float noise of batching (test_sglang_server's rule: CPU GEMMs are not batch invariant)."""
+    traffic = served["int2_pp"]["then"]
+    agree = []
+    for prompt, seq, conc in zip(TRAFFIC, traffic["sequential"], traffic["concurrent"]):
+        assert conc["cached"] == 0 and conc["completion_tokens"] == len(conc["ids"]) == len(seq["ids"])
+        agree.append(_same_up_to_noise(seq, conc, f"two stages, concurrent vs sequential on {prompt[:30]!r}")[0])
+    print(f"\n{served['name']}: {len(TRAFFIC)} concurrent requests through {STAGES} stages, leading tokens equal to "
+          f"the sequential answer: {agree}")
 
 
 @pytest.mark.slow

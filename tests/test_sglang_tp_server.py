@@ -67,10 +67,10 @@ def _cores(ranks: int = 2) -> str:
 
 
 def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1, split: str = "--tp-size",
-           environ: dict | None = None) -> dict:
+           environ: dict | None = None, then=None) -> dict:
     """The prompt's log-probabilities, ``DECODE`` greedy tokens with their log-probabilities and top-2 margins,
     and the log's text, from a CPU server with ``ranks`` ranks (tensor-parallel; ``split="--pp-size"``: pipeline
-    stages) and ``environ`` added to its environment."""
+    stages) and ``environ`` added to its environment; ``then(url)``, called after the prompt, gives "then"."""
     env = {**server_env(cpu=True), **(environ or {})}
     if ranks > 1:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH")) if p)
@@ -80,11 +80,12 @@ def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1, 
             "sampling_params": {"temperature": 0, "max_new_tokens": DECODE, "ignore_eos": True}}
     with local_server(model, log, *SERVER_FLAGS, *extra, cpu=True, env=env) as url:
         meta = post(url, "/generate", body)["meta_info"]
+        after = then(url) if then else None
     return {"prompt": [t[0] for t in meta["input_token_logprobs"][1:]],
             "ids": [t[1] for t in meta["output_token_logprobs"]],
             "decode": [t[0] for t in meta["output_token_logprobs"]],
             "margins": [top[0][0] - top[1][0] for top in meta["output_top_logprobs"]],
-            "log": log.read_text(errors="replace")}
+            "then": after, "log": log.read_text(errors="replace")}
 
 
 def _moved(a: dict, b: dict) -> float:
