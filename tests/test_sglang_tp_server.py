@@ -67,14 +67,15 @@ def _cores(ranks: int = 2) -> str:
 
 
 def _serve(model: Path, log: Path, ids: list[int], *extra: str, ranks: int = 1, split: str = "--tp-size",
-           environ: dict | None = None, then=None) -> dict:
+           environ: dict | None = None, then=None, processes: int | None = None) -> dict:
     """The prompt's log-probabilities, ``DECODE`` greedy tokens with their log-probabilities and top-2 margins,
     and the log's text, from a CPU server with ``ranks`` ranks (tensor-parallel; ``split="--pp-size"``: pipeline
-    stages) and ``environ`` added to its environment; ``then(url)``, called after the prompt, gives "then"."""
+    stages) and ``environ`` added to its environment; ``then(url)``, called after the prompt, gives "then".
+    ``processes``: the server's processes, where ``extra`` multiplies the ranks (default ``ranks``)."""
     env = {**server_env(cpu=True), **(environ or {})}
     if ranks > 1:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE), env.get("PYTHONPATH")) if p)
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = _cores(ranks)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = _cores(processes or ranks)
         extra = (*extra, split, str(ranks))
     body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
             "sampling_params": {"temperature": 0, "max_new_tokens": DECODE, "ignore_eos": True}}
