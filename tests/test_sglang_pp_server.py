@@ -23,7 +23,7 @@ read if it ignored where its layers start).  The prompt and its comparison are t
 * Decode: as test_sglang_tp_server's.
 * Traffic: eight short prompts one at a time, then all at once (micro-batches in flight through SGLang's pipeline
   loop): one at a time the stages answer one process's tokens; all at once they repeat their own sequential
-  answers up to the float noise of batching (test_sglang_server's rule).
+  answers up to the float noise of batching (test_sglang_server's rule; the trained model only, see MODELS).
 
 Models whose word embeddings are tied and whose SGLang model sets ``lm_head`` to the embedding on every stage
 (llama.py: the default model, SmolLM2-135M) do not run with ``--pp-size 2`` in SGLang 0.5.23, BF16 too
@@ -34,8 +34,6 @@ two-stage servers, about 1 minute).
 """
 
 import concurrent.futures
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -46,18 +44,21 @@ from oscar_sglang.format import RowFormat
 from test_architectures import _build, _prompt_ids, _prompt_moves
 from oscar_sglang.sglang.launcher import flush_cache
 from test_sglang_server import CONCURRENT, _generate, _same_up_to_noise
-from test_sglang_tp_server import (DECODE, INT2_FLAGS, MODELS as TP_MODELS, NEAR_TIE, RECENT, SENSITIVITY, SINK,
-                                   _bytes_per_token, _cores, _moved, _serve, _startup_lines)
+from test_sglang_tp_server import (INT2_FLAGS, MODELS as TP_MODELS, SENSITIVITY, _bytes_per_token, _calibrate, _cores,
+                                   _decodes_like, _moved, _serve, _startup_lines)
 
 pytestmark = [pytest.mark.server, pytest.mark.model]
 
 STAGES = 2
 PP_MEAN = 0.02  # nats: the mean change two stages may make to one process's prompt (measured 0.0000)
 CLOSE = 1.1     # the stages' error against BF16 within this factor of one process's
-# per model: its layers and the stages' share of them (None: SGLang's even split; else SGLANG_PP_LAYER_PARTITION)
+# per model: its layers, the stages' share of them (None: SGLang's even split; else SGLANG_PP_LAYER_PARTITION), and
+# whether test_sglang_server's batching-noise rule holds for it: not for the random Llama, whose greedy answers
+# flip at top-2 margins above the rule's 0.8 nats under batching in one process already (measured 2026-12-08: a
+# flip at 1.031 in one of two runs of the eight prompts)
 MODELS = {
-    "qwen2.5-coder-0.5b": dict(layers=24, partition=None),
-    "random llama": dict(layers=4, partition=[1, 3]),
+    "qwen2.5-coder-0.5b": dict(layers=24, partition=None, batching_rule=True),
+    "random llama": dict(layers=4, partition=[1, 3], batching_rule=False),
 }
 
 TRAFFIC = CONCURRENT[:8]   # distinct first tokens: no request hits another's prefix
@@ -94,13 +95,7 @@ def served(request, tmp_path_factory):
         model = _build(name.split()[1], root / "model", num_hidden_layers=spec["layers"], tie_word_embeddings=False)
     else:
         model = assets.named_model_dir(name)
-    rot = root / "rotations"
-    cmd = [sys.executable, "-m", "oscar_sglang.calibration", "--model", str(model), "--out", str(rot),
-           "--method", "oscar-center", "--bits", "int2", "--tokens", "2048", "--seq-len", "512",
-           "--sink", str(SINK), "--recent", str(RECENT), "--threads", "2", "--quiet"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    calibrated = artifacts.load(rot)
+    calibrated = _calibrate(model, root / "rotations")
     assert calibrated.model.num_layers == spec["layers"]
     int2 = RowFormat(2)
     mixed = calibrated.with_formats([LayerFormat(RowFormat(4), int2)] + [LayerFormat(int2, int2)] * (spec["layers"] - 1))
@@ -157,14 +152,7 @@ def test_stages_answer_like_one(served):
 
 
 def test_stages_decode_like_one(served):
-    ref, got = served["int2"], served["int2_pp"]
-    assert len(got["ids"]) == DECODE and ref["ids"][0] == got["ids"][0], (ref["ids"], got["ids"])
-    n = 0
-    while n < DECODE and ref["ids"][n] == got["ids"][n]:
-        assert abs(ref["decode"][n] - got["decode"][n]) < 4 * PP_MEAN, (n, ref["decode"], got["decode"])
-        n += 1
-    if n < DECODE:   # where the two first choose differently, one of them nearly tied
-        assert min(ref["margins"][n], got["margins"][n]) < NEAR_TIE, (n, ref["margins"], got["margins"])
+    _decodes_like(served["int2"], served["int2_pp"], 4 * PP_MEAN)
 
 
 def test_stages_answer_requests_one_at_a_time_like_one(served):
@@ -181,6 +169,8 @@ def test_stages_answer_requests_one_at_a_time_like_one(served):
 def test_concurrent_requests_on_stages_equal_their_sequential_answers(served):
     """``TRAFFIC`` all at once through the two stages (micro-batches in flight) repeats the stages' sequential
     answers up to the float noise of batching (test_sglang_server's rule: CPU GEMMs are not batch invariant)."""
+    if not served["spec"]["batching_rule"]:
+        pytest.skip("this model's answers flip beyond the batching-noise rule in one process already (MODELS)")
     traffic = served["int2_pp"]["then"]
     agree = []
     for prompt, seq, conc in zip(TRAFFIC, traffic["sequential"], traffic["concurrent"]):
@@ -229,9 +219,4 @@ def test_stages_of_tensor_parallel_ranks_answer_like_one(served):
     print(f"\n{served['name']}: {STAGES} stages of {tp} tensor-parallel ranks vs one process: {moved:.4f} nats on "
           f"average (bound {bound}); decoded tokens {'identical' if both['ids'] == served['int2']['ids'] else 'differ'}")
     assert moved < bound, moved
-    ref, n = served["int2"], 0
-    assert ref["ids"][0] == both["ids"][0], (ref["ids"], both["ids"])
-    while n < DECODE and ref["ids"][n] == both["ids"][n]:
-        n += 1
-    if n < DECODE:   # where the two first choose differently, one of them nearly tied
-        assert min(ref["margins"][n], both["margins"][n]) < NEAR_TIE, (n, ref["margins"], both["margins"])
+    _decodes_like(served["int2"], both, 4 * bound)

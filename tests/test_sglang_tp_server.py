@@ -111,6 +111,17 @@ MODELS = {
 }
 
 
+def _calibrate(model: Path, out: Path) -> artifacts.RotationArtifacts:
+    """``oscar-calibrate`` as a user runs it (oscar-center, INT2 rows everywhere, 2048 tokens, sink and recent
+    ``SINK`` / ``RECENT``) into ``out``; the artifact it wrote."""
+    cmd = [sys.executable, "-m", "oscar_sglang.calibration", "--model", str(model), "--out", str(out),
+           "--method", "oscar-center", "--bits", "int2", "--tokens", "2048", "--seq-len", "512",
+           "--sink", str(SINK), "--recent", str(RECENT), "--threads", "2", "--quiet"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return artifacts.load(out)
+
+
 @pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) if name == "smollm2-135m" else name
                                         for name in MODELS])
 def served(request, tmp_path_factory):
@@ -124,12 +135,7 @@ def served(request, tmp_path_factory):
     else:
         model = assets.named_model_dir(name)
     rot = root / "rotations"
-    cmd = [sys.executable, "-m", "oscar_sglang.calibration", "--model", str(model), "--out", str(rot),
-           "--method", "oscar-center", "--bits", "int2", "--tokens", "2048", "--seq-len", "512",
-           "--sink", str(SINK), "--recent", str(RECENT), "--threads", "2", "--quiet"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    calibrated = artifacts.load(rot)
+    calibrated = _calibrate(model, rot)
     kv = calibrated.model.num_kv_heads
     assert kv == spec["kv_heads"]
     wrong = (calibrated.for_kv_heads(spec["wrong"]) if spec["wrong"] else
@@ -186,16 +192,20 @@ def test_ranks_answer_like_one(served):
     assert many_err < CLOSE * one_err, (many_err, one_err)
 
 
-def test_ranks_decode_like_one(served):
-    ref, got = served["int2"], served["int2_tp"]
+def _decodes_like(ref: dict, got: dict, bound: float) -> None:
+    """``got``'s greedy tokens are ``ref``'s: the same first token, log-probabilities within ``bound`` along the
+    tokens both choose, and the first differing token (if any) where one of them nearly tied."""
     assert len(got["ids"]) == DECODE and ref["ids"][0] == got["ids"][0], (ref["ids"], got["ids"])
     n = 0
     while n < DECODE and ref["ids"][n] == got["ids"][n]:
-        assert abs(ref["decode"][n] - got["decode"][n]) < 4 * served["spec"]["tp_mean"], (n, ref["decode"],
-                                                                                         got["decode"])
+        assert abs(ref["decode"][n] - got["decode"][n]) < bound, (n, ref["decode"], got["decode"])
         n += 1
-    if n < DECODE:   # where the two first choose differently, one of them nearly tied
+    if n < DECODE:
         assert min(ref["margins"][n], got["margins"][n]) < NEAR_TIE, (n, ref["margins"], got["margins"])
+
+
+def test_ranks_decode_like_one(served):
+    _decodes_like(served["int2"], served["int2_tp"], 4 * served["spec"]["tp_mean"])
 
 
 @pytest.mark.slow
