@@ -30,7 +30,8 @@ Models whose word embeddings are tied and whose SGLang model sets ``lm_head`` to
 (``'PPMissingLayer' object has no attribute 'quant_method'``), hence an untied Llama.  The stages start with
 ``tests/cpu_tp_site`` on ``PYTHONPATH``, as tensor-parallel ranks do.  About 5 minutes on two cores (per model:
 calibration, three one-process servers of ~20-40 s, the two-stage one ~40-60 s; ``--slow`` adds the BF16
-two-stage servers, about 1 minute).
+two-stage servers, Qwen's two stages of two tensor-parallel ranks and the random Llama's four stages of one layer
+each, about 5 minutes).
 """
 
 import concurrent.futures
@@ -220,3 +221,26 @@ def test_stages_of_tensor_parallel_ranks_answer_like_one(served):
           f"average (bound {bound}); decoded tokens {'identical' if both['ids'] == served['int2']['ids'] else 'differ'}")
     assert moved < bound, moved
     _decodes_like(served["int2"], both, 4 * bound)
+
+
+@pytest.mark.slow
+def test_a_stage_per_layer_answers_like_one(served):
+    """As many stages as the random Llama has layers (``--pp-size 4``, one layer each, four processes on the two
+    cores): each names its layer and stores its bytes, and the whole answers exactly like one process."""
+    if not served["name"].startswith("random "):
+        pytest.skip("one stage per layer: the 4-layer model")
+    n, art = served["spec"]["layers"], served["artifact"]
+    out = _serve(served["model"], served["root"] / "int2-pp-each.log", served["ids"], *served["flags"], ranks=n,
+                 split="--pp-size")
+    lines = _startup_lines(out["log"], "PP")
+    assert sorted(lines) == [f"PP{s}" for s in range(n)], out["log"][-3000:]
+    d, h = art.model.head_dim, art.model.num_kv_heads
+    for layer, f in enumerate(art.layer_formats):
+        line = lines[f"PP{layer}"]
+        assert f", layer {layer} of {n} (this pipeline stage's share), " in line, line
+        assert _bytes_per_token(line) == h * (f.k.bytes_per_row(d) + f.v.bytes_per_row(d)), line
+    moved = _moved(served["int2"], out)
+    print(f"\n{served['name']}: {n} stages vs one process: {moved:.4f} nats on average; decoded tokens "
+          f"{'identical' if out['ids'] == served['int2']['ids'] else 'differ'}")
+    assert moved < PP_MEAN, moved
+    _decodes_like(served["int2"], out, 4 * PP_MEAN)
