@@ -42,8 +42,8 @@ import pytest
 from oscar_sglang import artifacts
 from oscar_sglang.artifacts import LayerFormat
 from oscar_sglang.format import RowFormat
-from test_architectures import _build, _prompt_ids, _prompt_moves
 from oscar_sglang.sglang.launcher import flush_cache
+from test_architectures import _build, _prompt_ids, _prompt_moves
 from test_sglang_server import CONCURRENT, _generate, _same_up_to_noise
 from test_sglang_tp_server import (INT2_FLAGS, MODELS as TP_MODELS, SENSITIVITY, _bytes_per_token, _calibrate, _cores,
                                    _decodes_like, _moved, _serve, _startup_lines)
@@ -78,6 +78,12 @@ def _traffic(url: str) -> dict:
     return {"sequential": sequential, "concurrent": together}
 
 
+def _layer_bytes(art, layer: int) -> int:
+    """Bytes one token's K and V rows take in ``layer``, in its own formats (all KV heads)."""
+    f, d = art.layer_formats[layer], art.model.head_dim
+    return art.model.num_kv_heads * (f.k.bytes_per_row(d) + f.v.bytes_per_row(d))
+
+
 def _shares(spec: dict) -> list[range]:
     n = spec["layers"]
     sizes = spec["partition"] or [n // STAGES + (s >= STAGES - n % STAGES) for s in range(STAGES)]
@@ -102,6 +108,7 @@ def served(request, tmp_path_factory):
     mixed = calibrated.with_formats([LayerFormat(RowFormat(4), int2)] + [LayerFormat(int2, int2)] * (spec["layers"] - 1))
     mixed_dir = artifacts.save(mixed, root / "rotations-mixed")
     later = _shares(spec)[1]
+
     def copy(i: int) -> artifacts.LayerRotation:
         return artifacts.LayerRotation(*(getattr(mixed.layers[i], n).clone() for n in artifacts.LayerRotation.TENSOR_NAMES))
 
@@ -122,19 +129,18 @@ def served(request, tmp_path_factory):
 
 def test_each_stage_serves_its_own_layers(served):
     art, spec = served["artifact"], served["spec"]
-    one = _startup_lines(served["int2"]["log"], "PP")
-    many = _startup_lines(served["int2_pp"]["log"], "PP")
+    one = _startup_lines(served["int2"]["log"], ("PP",))
+    many = _startup_lines(served["int2_pp"]["log"], ("PP",))
     assert list(one) == ["PP0"] and "pipeline stage" not in one["PP0"], one
     assert sorted(many) == [f"PP{s}" for s in range(STAGES)], served["int2_pp"]["log"][-3000:]
     assert _bytes_per_token(one["PP0"]) == art.bytes_per_token()
-    formats, d, h = art.layer_formats, art.model.head_dim, art.model.num_kv_heads
     stage_bytes = []
     for stage, share in enumerate(_shares(spec)):
         line = many[f"PP{stage}"]
         span = f"layer {share[0]}" if len(share) == 1 else f"layers {share[0]}-{share[-1]}"
         assert f", {span} of {spec['layers']} (this pipeline stage's share), " in line, line
         assert f"layers per format: {art.policy_summary()}" in line, line
-        stage_bytes.append(sum(h * (formats[i].k.bytes_per_row(d) + formats[i].v.bytes_per_row(d)) for i in share))
+        stage_bytes.append(sum(_layer_bytes(art, i) for i in share))
         assert _bytes_per_token(line) == stage_bytes[-1], (stage, line)
     assert sum(stage_bytes) == art.bytes_per_token()
 
@@ -201,13 +207,9 @@ def test_stages_of_tensor_parallel_ranks_answer_like_one(served):
     tp = 2
     both = _serve(served["model"], served["root"] / "int2-pp-tp.log", served["ids"], *served["flags"], "--tp-size",
                   str(tp), ranks=STAGES, split="--pp-size", environ=served["environ"], processes=STAGES * tp)
-    lines = {}
-    for line in both["log"].splitlines():
-        if "oscar-int2 KV cache:" in line:
-            words = line.split("oscar-int2 KV cache:", 1)[0].rstrip("] ").split()
-            lines.setdefault(" ".join(words[-2:]), line.split("oscar-int2 KV cache:", 1)[1])
+    lines = _startup_lines(both["log"], ("PP", "TP"))
     assert sorted(lines) == [f"PP{s} TP{r}" for s in range(STAGES) for r in range(tp)], both["log"][-3000:]
-    one = _startup_lines(served["int2_pp"]["log"], "PP")
+    one = _startup_lines(served["int2_pp"]["log"], ("PP",))
     kv = served["artifact"].model.num_kv_heads
     for stage, share in enumerate(_shares(served["spec"])):
         for rank in range(tp):
@@ -232,13 +234,12 @@ def test_a_stage_per_layer_answers_like_one(served):
     n, art = served["spec"]["layers"], served["artifact"]
     out = _serve(served["model"], served["root"] / "int2-pp-each.log", served["ids"], *served["flags"], ranks=n,
                  split="--pp-size")
-    lines = _startup_lines(out["log"], "PP")
+    lines = _startup_lines(out["log"], ("PP",))
     assert sorted(lines) == [f"PP{s}" for s in range(n)], out["log"][-3000:]
-    d, h = art.model.head_dim, art.model.num_kv_heads
-    for layer, f in enumerate(art.layer_formats):
+    for layer in range(n):
         line = lines[f"PP{layer}"]
         assert f", layer {layer} of {n} (this pipeline stage's share), " in line, line
-        assert _bytes_per_token(line) == h * (f.k.bytes_per_row(d) + f.v.bytes_per_row(d)), line
+        assert _bytes_per_token(line) == _layer_bytes(art, layer), line
     moved = _moved(served["int2"], out)
     print(f"\n{served['name']}: {n} stages vs one process: {moved:.4f} nats on average; decoded tokens "
           f"{'identical' if out['ids'] == served['int2']['ids'] else 'differ'}")

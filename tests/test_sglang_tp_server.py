@@ -151,13 +151,16 @@ def served(request, tmp_path_factory):
             "model": model, "root": root}
 
 
-def _startup_lines(log: str, prefix: str = "TP") -> dict[str, str]:
-    """Each rank's startup line, by SGLang's rank prefix (``TP0``, ...; ``prefix="PP"``: ``PP0``, ...)."""
+def _startup_lines(log: str, prefixes: tuple[str, ...] = ("TP",)) -> dict[str, str]:
+    """Each rank's startup line, by SGLang's rank prefix: its words that start with one of ``prefixes``
+    (``TP0``, ...; ``("PP",)``: ``PP0``, ...; ``("PP", "TP")``: ``PP0 TP1``, ...), ``<first prefix>0`` where
+    there is none (one process)."""
     lines = {}
     for line in log.splitlines():
         if "oscar-int2 KV cache:" in line:
-            rank = next((w.rstrip("]") for w in line.split() if w.startswith(prefix)), f"{prefix}0")
-            lines.setdefault(rank, line.split("oscar-int2 KV cache:", 1)[1])
+            head, text = line.split("oscar-int2 KV cache:", 1)
+            words = [w.rstrip("]") for w in head.split() if w.startswith(prefixes)]
+            lines.setdefault(" ".join(words) or f"{prefixes[0]}0", text)
     return lines
 
 
